@@ -1,0 +1,178 @@
+"""The paper's building-block framework, as a public API.
+
+A :class:`BuildingBlock` places every pass of *one* microbatch: for each (kind, stage) a start
+slot. Microbatch k runs the same block shifted by ``k * interval``. From a block you get its
+lifespans, its memory bound and its collisions, and :func:`schedule_from_block` turns it into a
+schedule: repeat -> squeeze (run each device's order as soon as possible) -> reorder the
+warm-up/cool-down (pull ready passes forward while no device's peak grows).
+
+Writing a new schedule is a matter of writing offsets; see the README.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .actions import Action, Kind
+from .greedy import GreedyConfig, greedy_schedule
+from .schedule import Costs, Placement, Schedule, ScheduleError
+from .simulator import DeadlockError, simulate
+
+
+@dataclass(frozen=True)
+class BuildingBlock:
+    """Start slots of one microbatch's passes. Every pass lasts ``durations[kind]`` slots."""
+
+    placement: Placement
+    interval: int
+    offsets: Mapping[tuple[Kind, int], int]
+    durations: Mapping[Kind, int] = field(default_factory=lambda: {Kind.F: 1, Kind.B: 1, Kind.W: 1})
+
+    def end(self, kind: Kind, stage: int) -> int:
+        return self.offsets[(kind, stage)] + self.durations[kind]
+
+    def lifespans(self) -> dict[int, int]:
+        """Per stage: start of its F to the end of its W."""
+        return {
+            stage: self.end(Kind.W, stage) - self.offsets[(Kind.F, stage)]
+            for stage in range(self.placement.num_stages)
+        }
+
+    def memory_bound(self) -> list[float]:
+        """Per device: sum over its stages of ceil(lifespan / interval) * activation (paper's bound)."""
+        activation = self.placement.layer_scale / 2.0
+        spans = self.lifespans()
+        return [
+            sum(math.ceil(spans[s] / self.interval) * activation for s in stages)
+            for stages in self.placement.stages_per_device
+        ]
+
+    def steady_peak(self) -> list[float]:
+        """Per device: the exact peak activation when the block repeats forever."""
+        activation = self.placement.layer_scale / 2.0
+        peaks = []
+        for stages in self.placement.stages_per_device:
+            windows = [(self.offsets[(Kind.F, s)], self.end(Kind.W, s)) for s in stages]
+            horizon = max(end for _, end in windows) + self.interval
+            peak = 0
+            for tau in range(horizon, horizon + self.interval):
+                live = sum(_live_copies(start, end, tau, self.interval) for start, end in windows)
+                peak = max(peak, live)
+            peaks.append(peak * activation)
+        return peaks
+
+    def collisions(self) -> list[str]:
+        """Pairs of passes of one device that overlap modulo the interval, and broken dependencies."""
+        problems = []
+        for device, stages in enumerate(self.placement.stages_per_device):
+            busy: dict[int, tuple[Kind, int]] = {}
+            for stage in stages:
+                for kind in Kind:
+                    start = self.offsets[(kind, stage)]
+                    for slot in range(start, start + self.durations[kind]):
+                        other = busy.setdefault(slot % self.interval, (kind, stage))
+                        if other != (kind, stage):
+                            problems.append(
+                                f"device {device}: {kind.value}{stage} collides with "
+                                f"{other[0].value}{other[1]} at slot {slot % self.interval} (mod {self.interval})"
+                            )
+        problems.extend(self._broken_dependencies())
+        return problems
+
+    def _broken_dependencies(self) -> list[str]:
+        problems = []
+        last = self.placement.num_stages - 1
+        for stage in range(last + 1):
+            needs = [((Kind.B, stage), (Kind.F, stage)), ((Kind.W, stage), (Kind.B, stage))]
+            if stage > 0:
+                needs.append(((Kind.F, stage), (Kind.F, stage - 1)))
+            if stage < last:
+                needs.append(((Kind.B, stage), (Kind.B, stage + 1)))
+            for (kind, s), (dep_kind, dep_s) in needs:
+                if self.offsets[(kind, s)] < self.end(dep_kind, dep_s):
+                    problems.append(f"{kind.value}{s} starts before {dep_kind.value}{dep_s} ends")
+        return problems
+
+    def repeat(self, num_microbatches: int, name: str) -> Schedule:
+        """Each device's passes of all microbatches, ordered by start slot."""
+        problems = self.collisions()
+        if problems:
+            raise ScheduleError(f"{name}: building block is invalid: {problems[0]}")
+        programs = []
+        for stages in self.placement.stages_per_device:
+            timed = [
+                (self.offsets[(kind, s)] + mb * self.interval, Action(kind, s, mb))
+                for s in stages
+                for kind in Kind
+                for mb in range(num_microbatches)
+            ]
+            programs.append(tuple(action for _, action in sorted(timed)))
+        return Schedule(name, self.placement, num_microbatches, tuple(programs))
+
+
+def _live_copies(start: int, end: int, tau: int, interval: int) -> int:
+    """How many k >= 0 satisfy start + k*interval <= tau < end + k*interval."""
+    return sum(1 for k in range(0, tau // interval + 1) if start + k * interval <= tau < end + k * interval)
+
+
+def fill_w(placement: Placement, interval: int, fb_offsets: Mapping[tuple[Kind, int], int]) -> BuildingBlock:
+    """Complete a block given only F and B offsets: put each W in a free slot after its B,
+    choosing the assignment with the lowest steady peak (then the shortest lifespans)."""
+    best, best_key = None, None
+    choices_per_device = []
+    for stages in placement.stages_per_device:
+        used = {fb_offsets[(k, s)] % interval for s in stages for k in (Kind.F, Kind.B)}
+        free = [slot for slot in range(interval) if slot not in used]
+        if len(free) < len(stages):
+            raise ScheduleError(f"no free slot for W on a device holding stages {stages}")
+        choices_per_device.append([dict(zip(stages, perm)) for perm in itertools.permutations(free, len(stages))])
+    # Devices are independent: choose per device, but score with the whole block for simplicity.
+    offsets = dict(fb_offsets)
+    for stages, choices in zip(placement.stages_per_device, choices_per_device):
+        best, best_key = None, None
+        for residues in choices:
+            trial = dict(offsets)
+            for stage, residue in residues.items():
+                after = fb_offsets[(Kind.B, stage)] + 1
+                trial[(Kind.W, stage)] = after + (residue - after) % interval
+            block = BuildingBlock(placement, interval, _complete(trial, placement))
+            device = placement.device_of(stages[0])
+            spans = block.lifespans()
+            key = (block.steady_peak()[device], sum(spans[s] for s in stages))
+            if best_key is None or key < best_key:
+                best, best_key = residues, key
+        for stage, residue in best.items():
+            after = fb_offsets[(Kind.B, stage)] + 1
+            offsets[(Kind.W, stage)] = after + (residue - after) % interval
+    return BuildingBlock(placement, interval, offsets)
+
+
+def _complete(offsets, placement):
+    """Give not-yet-placed W passes a provisional slot right after their B (for scoring only)."""
+    out = dict(offsets)
+    for stage in range(placement.num_stages):
+        out.setdefault((Kind.W, stage), out[(Kind.B, stage)] + 1)
+    return out
+
+
+def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Costs, name: str) -> Schedule:
+    """Repeat, squeeze and reorder. The result never has a higher peak than the repeated block
+    on any device, and never a longer makespan under ``costs`` than the plain squeeze."""
+    repeated = block.repeat(num_microbatches, name)
+    squeezed = simulate(repeated, costs)
+    position = {a: i for program in repeated.programs for i, a in enumerate(program)}
+    config = GreedyConfig(
+        memory_caps=list(squeezed.peak_memory), priority=lambda a: (position[a],), reserve=False
+    )
+    try:
+        reordered = greedy_schedule(name, block.placement, num_microbatches, costs, config)
+    except (ScheduleError, DeadlockError):
+        return repeated
+    result = simulate(reordered, costs)
+    better = result.makespan < squeezed.makespan - 1e-9 and all(
+        new <= old + 1e-9 for new, old in zip(result.peak_memory, squeezed.peak_memory)
+    )
+    return reordered if better else repeated

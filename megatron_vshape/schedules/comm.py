@@ -1,0 +1,169 @@
+"""Lowering a schedule to point-to-point messages, and a check that the plan runs.
+
+Every cross-device dependency becomes one :class:`Message`. The plan of a device is its
+program with, per action, the messages it must receive before it runs and the messages it sends
+right after. The execution model (what the runtime does, and what :func:`check_plan`
+simulates):
+
+* sends are posted right after the producing pass and complete asynchronously;
+* each device posts its receives from a given peer *in the order that peer sends them*
+  (so untagged point-to-point can never pair a receive with the wrong send, e.g. swap an
+  activation with a gradient), and blocks on a receive just before the pass that needs it.
+
+Messages that stay on one device (the tip of the V, or two stages of one device) are not
+messages at all: the runtime hands the tensor over locally.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .actions import Action, Kind
+from .dependencies import dependencies
+from .schedule import Schedule, ScheduleError
+
+
+class Payload(enum.Enum):
+    ACTIVATION = "act"  # output of F(stage) -> input of F(stage + 1)
+    GRADIENT = "grad"  # input-grad of B(stage) -> output-grad of B(stage - 1)
+
+
+@dataclass(frozen=True, order=True)
+class Message:
+    payload: Payload
+    src_stage: int  # the stage that produced the tensor
+    microbatch: int
+    src: int
+    dst: int
+
+    @property
+    def dst_stage(self) -> int:
+        return self.src_stage + 1 if self.payload is Payload.ACTIVATION else self.src_stage - 1
+
+    def __str__(self) -> str:
+        return (
+            f"{self.payload.value}[{self.src_stage}->{self.dst_stage}].{self.microbatch}"
+            f"@{self.src}->{self.dst}"
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One compute action with the receives it waits for and the sends it posts after."""
+
+    action: Action
+    recvs: tuple[Message, ...] = ()
+    sends: tuple[Message, ...] = ()
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    steps: tuple[Step, ...]
+    # Receive posting order per peer: exactly the order in which that peer sends to us.
+    recv_order: dict[int, tuple[Message, ...]]
+
+
+def incoming_messages(schedule: Schedule, action: Action) -> tuple[Message, ...]:
+    """Messages ``action`` must receive before it can run (none for same-device inputs)."""
+    device = schedule.device_of(action)
+    out = []
+    for dep in dependencies(action, schedule.num_stages):
+        if dep.stage == action.stage:
+            continue  # own F before B, own B before W: always local
+        src = schedule.device_of(dep)
+        if src != device:
+            payload = Payload.ACTIVATION if action.kind is Kind.F else Payload.GRADIENT
+            out.append(Message(payload, dep.stage, dep.microbatch, src, device))
+    return tuple(out)
+
+
+def outgoing_messages(schedule: Schedule, action: Action) -> tuple[Message, ...]:
+    """Messages produced by ``action`` for a consumer on another device."""
+    if action.kind is Kind.F and action.stage + 1 < schedule.num_stages:
+        consumer, payload = action.stage + 1, Payload.ACTIVATION
+    elif action.kind is Kind.B and action.stage > 0:
+        consumer, payload = action.stage - 1, Payload.GRADIENT
+    else:
+        return ()
+    device = schedule.device_of(action)
+    dst = schedule.placement.device_of(consumer)
+    if dst == device:
+        return ()  # the tip of the V, or two stages on one device: handed over locally
+    return (Message(payload, action.stage, action.microbatch, device, dst),)
+
+
+def lower(schedule: Schedule) -> tuple[DevicePlan, ...]:
+    """Per-device p2p plans for ``schedule``."""
+    steps_per_device = [
+        tuple(
+            Step(action, incoming_messages(schedule, action), outgoing_messages(schedule, action))
+            for action in program
+        )
+        for program in schedule.programs
+    ]
+    send_order: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for steps in steps_per_device:
+        for step in steps:
+            for msg in step.sends:
+                send_order[(msg.src, msg.dst)].append(msg)
+    plans = []
+    for device, steps in enumerate(steps_per_device):
+        recv_order = {
+            src: tuple(msgs) for (src, dst), msgs in sorted(send_order.items()) if dst == device
+        }
+        plans.append(DevicePlan(steps, recv_order))
+    return tuple(plans)
+
+
+class CommError(ScheduleError):
+    """The p2p plan would deadlock or pair a receive with the wrong send."""
+
+
+def check_plan(plans: tuple[DevicePlan, ...]) -> None:
+    """Execute the plans message by message and raise :class:`CommError` if they fail.
+
+    Checks that every receive has exactly one matching send, that each pair's receive posting
+    order equals its send order, and that blocking on receives in program order never deadlocks.
+    """
+    _check_matching(plans)
+    cursor = [0] * len(plans)
+    sent: set[Message] = set()
+    remaining = sum(len(p.steps) for p in plans)
+    while remaining:
+        progressed = False
+        for device, plan in enumerate(plans):
+            while cursor[device] < len(plan.steps):
+                step = plan.steps[cursor[device]]
+                if not all(msg in sent for msg in step.recvs):
+                    break
+                sent.update(step.sends)
+                cursor[device] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = [
+                f"device {dev} waits for {', '.join(str(m) for m in plan.steps[c].recvs if m not in sent)}"
+                for dev, (c, plan) in enumerate(zip(cursor, plans))
+                if c < len(plan.steps)
+            ]
+            raise CommError("p2p plan deadlocks: " + "; ".join(waiting))
+
+
+def _check_matching(plans) -> None:
+    sends: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    needed: dict[tuple[int, int], set[Message]] = defaultdict(set)
+    for plan in plans:
+        for step in plan.steps:
+            for msg in step.sends:
+                sends[(msg.src, msg.dst)].append(msg)
+            for msg in step.recvs:
+                needed[(msg.src, msg.dst)].add(msg)
+    for device, plan in enumerate(plans):
+        for src, order in plan.recv_order.items():
+            if list(order) != sends[(src, device)]:
+                raise CommError(f"device {device} posts receives from {src} in a different order than sent")
+    for pair in set(sends) | set(needed):
+        if set(sends[pair]) != needed[pair] or len(sends[pair]) != len(needed[pair]):
+            raise CommError(f"devices {pair[0]}->{pair[1]}: sends and receives do not match one to one")

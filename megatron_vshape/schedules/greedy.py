@@ -1,0 +1,177 @@
+"""A memory-capped list scheduler: the engine behind the zero-bubble schedules and the
+warm-up/cool-down reordering of building-block schedules.
+
+Time advances event by event. Whenever a device is idle it starts, among the passes whose inputs
+have arrived, the one with the smallest priority key, provided an F does not push the device's
+activation memory above its cap (and, optionally, its count of F-without-B above a limit).
+
+Admission control: a microbatch enters a device through the F of the device's first stage, and
+at that moment reserves memory for the F of every stage the device holds. Without the
+reservation a V device fills its memory with chunk-0 forwards and can never run the chunk-1
+forward that unlocks the backward: the scheduler would stall.
+Costs are real inputs: the resulting order adapts to F/B/W/comm times.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .actions import Action, Kind
+from .dependencies import dependencies
+from .schedule import Costs, Placement, Schedule, ScheduleError
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class GreedyConfig:
+    memory_caps: Sequence[float]  # per device, in memory units (default model: W frees)
+    priority: Callable[[Action], tuple]
+    inflight_limits: Sequence[int] | None = None  # per device: max F whose B has not run
+    reserve: bool = True  # admission control (see module doc); False may stall, but packs tighter
+
+
+@dataclass
+class _DeviceState:
+    """Per-device memory bookkeeping of one greedy run (local to that run)."""
+
+    activation: float
+    chunks: int
+    first_stage: list[int]
+    memory: list[float]
+    reserved: list[float]
+    inflight: list[int]
+
+    @classmethod
+    def start(cls, placement: Placement) -> _DeviceState:
+        n = placement.num_devices
+        return cls(
+            activation=placement.layer_scale / 2.0,
+            chunks=placement.chunks_per_device,
+            first_stage=[min(stages) for stages in placement.stages_per_device],
+            memory=[0.0] * n,
+            reserved=[0.0] * n,
+            inflight=[0] * n,
+        )
+
+
+def consumers(action: Action, num_stages: int) -> tuple[Action, ...]:
+    """Actions that take ``action``'s result as one of their inputs."""
+    s, m = action.stage, action.microbatch
+    if action.kind is Kind.F:
+        own_backward = Action(Kind.B, s, m)
+        return (Action(Kind.F, s + 1, m), own_backward) if s + 1 < num_stages else (own_backward,)
+    if action.kind is Kind.B:
+        weight = Action(Kind.W, s, m)
+        return (weight, Action(Kind.B, s - 1, m)) if s > 0 else (weight,)
+    return ()
+
+
+def greedy_schedule(
+    name: str, placement: Placement, num_microbatches: int, costs: Costs, config: GreedyConfig
+) -> Schedule:
+    """Run the list scheduler; raise ScheduleError if the caps make it stall."""
+    num_devices, num_stages = placement.num_devices, placement.num_stages
+    scale = placement.layer_scale
+    device_of = placement.device_of
+    end_time: dict[Action, float] = {}
+    missing: dict[Action, int] = {}
+    heaps: list[list] = [[] for _ in range(num_devices)]
+    ready_at: dict[Action, float] = {}
+    free_at = [0.0] * num_devices
+    events: list[float] = []  # future instants at which a decision may change
+    state = _DeviceState.start(placement)
+    programs: list[list[Action]] = [[] for _ in range(num_devices)]
+    priority = config.priority
+
+    def offer(action: Action) -> None:
+        device = device_of(action.stage)
+        ready = 0.0
+        for dep in dependencies(action, num_stages):
+            comm = costs.comm if device_of(dep.stage) != device else 0.0
+            ready = max(ready, end_time[dep] + comm)
+        ready_at[action] = ready
+        heapq.heappush(heaps[device], (priority(action), action))
+        heapq.heappush(events, ready)
+
+    for mb in range(num_microbatches):
+        offer(Action(Kind.F, 0, mb))
+    remaining = 3 * num_stages * num_microbatches
+    now = 0.0
+    while remaining:
+        for device in range(num_devices):
+            if free_at[device] > now + _EPS:
+                continue
+            chosen = _pick(heaps[device], ready_at, now, device, state, config)
+            if chosen is None:
+                continue
+            end = now + costs.of(chosen.kind) * scale
+            end_time[chosen] = end
+            free_at[device] = end
+            heapq.heappush(events, end)
+            programs[device].append(chosen)
+            remaining -= 1
+            _account(chosen, device, state)
+            for nxt in consumers(chosen, num_stages):
+                needed = missing.get(nxt)
+                if needed is None:
+                    needed = len(dependencies(nxt, num_stages))
+                needed -= 1
+                missing[nxt] = needed
+                if needed == 0:
+                    offer(nxt)
+        now = _next_event(now, events)
+        if now is None and remaining:
+            raise ScheduleError(f"{name}: greedy scheduler stalled (memory caps {list(config.memory_caps)} too low)")
+    return Schedule(name, placement, num_microbatches, tuple(tuple(p) for p in programs))
+
+
+def _pick(heap, ready_at, now, device, state, config):
+    skipped = []
+    chosen = None
+    while heap:
+        key, action = heapq.heappop(heap)
+        if ready_at[action] <= now + _EPS and _allowed(action, device, state, config):
+            chosen = action
+            break
+        skipped.append((key, action))
+    for item in skipped:
+        heapq.heappush(heap, item)
+    return chosen
+
+
+def _allowed(action, device, state: _DeviceState, config) -> bool:
+    if action.kind is not Kind.F:
+        return True
+    cap = config.memory_caps[device] + _EPS
+    if not config.reserve:
+        if state.memory[device] + state.activation > cap:
+            return False
+    elif action.stage != state.first_stage[device]:
+        return True  # admitted earlier: its memory is reserved
+    elif state.memory[device] + state.reserved[device] + state.activation * state.chunks > cap:
+        return False
+    limits = config.inflight_limits
+    return limits is None or state.inflight[device] < limits[device]
+
+
+def _account(action, device, state: _DeviceState) -> None:
+    activation = state.activation
+    if action.kind is Kind.F:
+        if action.stage == state.first_stage[device]:
+            state.reserved[device] += activation * state.chunks
+        state.reserved[device] -= activation
+        state.memory[device] += activation
+        state.inflight[device] += 1
+    elif action.kind is Kind.B:
+        state.inflight[device] -= 1
+    else:
+        state.memory[device] -= activation
+
+
+def _next_event(now: float, events: list[float]) -> float | None:
+    while events and events[0] <= now + _EPS:
+        heapq.heappop(events)
+    return events[0] if events else None

@@ -1,0 +1,170 @@
+"""Placement (which stages each device holds), costs, and the Schedule value."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .actions import Action, Kind, parse_action
+
+
+class ScheduleError(ValueError):
+    """A schedule cannot be built for the requested parameters (message says how to fix it)."""
+
+
+class PlacementKind(enum.Enum):
+    LOOPED = "looped"  # device i holds stages i, i+d, i+2d, ... (1F1B, interleaved, ZB)
+    V = "v"  # device i holds stages i and 2d-1-i
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: PlacementKind
+    stages_per_device: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def looped(cls, num_devices: int, chunks_per_device: int = 1) -> Placement:
+        stages = tuple(
+            tuple(device + chunk * num_devices for chunk in range(chunks_per_device))
+            for device in range(num_devices)
+        )
+        return cls(PlacementKind.LOOPED, stages)
+
+    @classmethod
+    def v_shape(cls, num_devices: int) -> Placement:
+        stages = tuple((device, 2 * num_devices - 1 - device) for device in range(num_devices))
+        return cls(PlacementKind.V, stages)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.stages_per_device)
+
+    @property
+    def chunks_per_device(self) -> int:
+        return len(self.stages_per_device[0])
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_devices * self.chunks_per_device
+
+    def device_of(self, stage: int) -> int:
+        return self._device_of_stage[stage]
+
+    def chunk_of(self, stage: int) -> int:
+        """Index of ``stage`` among its device's stages (the megatron model-chunk index)."""
+        return self.stages_per_device[self.device_of(stage)].index(stage)
+
+    @property
+    def _device_of_stage(self) -> dict[int, int]:
+        # Cached lazily on the frozen instance; the mapping is pure data derived from the fields.
+        cache = self.__dict__.get("_cache_device_of")
+        if cache is None:
+            cache = {s: dev for dev, stages in enumerate(self.stages_per_device) for s in stages}
+            object.__setattr__(self, "_cache_device_of", cache)
+        return cache
+
+    @property
+    def layer_scale(self) -> float:
+        """Layers per stage in units of L/(2d) (one V chunk): the cost multiplier of a pass."""
+        return 2.0 / self.chunks_per_device
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one pass over L/(2d) layers (one V chunk), and of one point-to-point message."""
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    comm: float = 0.0
+
+    def of(self, kind: Kind) -> float:
+        return {Kind.F: self.f, Kind.B: self.b, Kind.W: self.w}[kind]
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """Parse ``"f=1,b=1.1,w=0.9,comm=0.05"``; omitted keys keep their defaults."""
+        values: dict[str, float] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, raw = item.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in ("f", "b", "w", "comm"):
+                raise ValueError(f"--costs: bad item {item!r}; use e.g. f=1,b=1,w=1,comm=0")
+            try:
+                values[key] = float(raw)
+            except ValueError:
+                raise ValueError(f"--costs: {key}={raw!r} is not a number") from None
+        costs = cls(**values)
+        if min(costs.f, costs.b, costs.w) <= 0 or costs.comm < 0:
+            raise ValueError("--costs: f, b and w must be > 0 and comm >= 0")
+        return costs
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """How one F's activations are released: ``b_release`` by B, the rest by W.
+
+    The default (0.0) is the paper's simple model: B frees nothing, W frees everything.
+    The authors' GPT model (F allocates 34h+5as per token, W releases 32h) corresponds to
+    ``b_release = 1 - 32h / (34h + 5as)``; see :meth:`for_gpt`.
+    """
+
+    b_release: float = 0.0
+
+    @classmethod
+    def for_gpt(cls, hidden: int, heads: int, seq_length: int) -> MemoryModel:
+        allocated = 34 * hidden + 5 * heads * seq_length
+        return cls(b_release=1.0 - 32 * hidden / allocated)
+
+    def delta(self, kind: Kind, activation: float) -> float:
+        if kind is Kind.F:
+            return activation
+        if kind is Kind.B:
+            return -activation * self.b_release
+        return -activation * (1.0 - self.b_release)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One ordered program of actions per device, plus the placement it runs on."""
+
+    name: str
+    placement: Placement
+    num_microbatches: int
+    programs: tuple[tuple[Action, ...], ...]
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def num_devices(self) -> int:
+        return self.placement.num_devices
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    def device_of(self, action: Action) -> int:
+        return self.placement.device_of(action.stage)
+
+    def pass_cost(self, action: Action, costs: Costs) -> float:
+        return costs.of(action.kind) * self.placement.layer_scale
+
+    def activation(self) -> float:
+        """Activation of one F in memory units (one microbatch over L/d layers)."""
+        return self.placement.layer_scale / 2.0
+
+    def work_per_device(self, costs: Costs) -> list[float]:
+        return [sum(self.pass_cost(a, costs) for a in program) for program in self.programs]
+
+    def to_text(self) -> str:
+        """One line per device, actions separated by spaces (round-trips with from_text)."""
+        return "\n".join(" ".join(str(a) for a in program) for program in self.programs)
+
+    @classmethod
+    def from_text(cls, text: str, name: str, placement: Placement) -> Schedule:
+        programs = tuple(
+            tuple(parse_action(tok) for tok in line.split()) for line in text.strip().splitlines()
+        )
+        if len(programs) != placement.num_devices:
+            raise ScheduleError(f"{len(programs)} program lines for {placement.num_devices} devices")
+        microbatches = {a.microbatch for program in programs for a in program}
+        return cls(name, placement, max(microbatches) + 1 if microbatches else 0, programs)

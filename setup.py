@@ -1,0 +1,16 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-vshape",
+    version="0.1.0",
+    description="Pipeline Parallelism with Controllable Memory (V-Min, V-Half, V-ZB) for megatron-core",
+    packages=find_packages(include=["megatron_vshape", "megatron_vshape.*"]),
+    python_requires=">=3.10",
+    install_requires=[],
+    extras_require={
+        "plot": ["matplotlib>=3.7"],
+        "megatron": ["torch>=2.3", "megatron-core>=0.16.1", "psutil"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7", "ruff>=0.5"],
+    },
+    entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},
+)
