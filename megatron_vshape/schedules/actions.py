@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class Kind(enum.Enum):
@@ -23,9 +23,15 @@ class Kind(enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # Members are singletons: identity hashing is correct and, unlike Enum's default
+    # (which hashes the name in Python), runs in C. Schedules hash millions of actions.
+    __hash__ = object.__hash__
 
-@dataclass(frozen=True, order=True)
-class Action:
+
+class Action(NamedTuple):
+    """Immutable; a NamedTuple rather than a dataclass because schedules hold hundreds of
+    thousands of actions as dict keys, and tuple hashing is done in C."""
+
     kind: Kind
     stage: int
     microbatch: int

@@ -20,7 +20,7 @@ def gpipe(num_devices: int, num_microbatches: int) -> Schedule:
         forwards = [Action(Kind.F, device, mb) for mb in range(num_microbatches)]
         backwards = [a for mb in range(num_microbatches) for a in _backward(device, mb)]
         programs.append(tuple(forwards + backwards))
-    return Schedule("gpipe", Placement.looped(num_devices), num_microbatches, tuple(programs))
+    return Schedule("gpipe", Placement.looped(num_devices), num_microbatches, tuple(programs), fused_backward=True)
 
 
 def one_f_one_b(num_devices: int, num_microbatches: int) -> Schedule:
@@ -30,7 +30,7 @@ def one_f_one_b(num_devices: int, num_microbatches: int) -> Schedule:
         forwards = [Action(Kind.F, device, mb) for mb in range(num_microbatches)]
         backwards = [_backward(device, mb) for mb in range(num_microbatches)]
         programs.append(_one_f_one_b_order(forwards, backwards, warmup))
-    return Schedule("1f1b", Placement.looped(num_devices), num_microbatches, tuple(programs))
+    return Schedule("1f1b", Placement.looped(num_devices), num_microbatches, tuple(programs), fused_backward=True)
 
 
 def _one_f_one_b_order(forwards: list[Action], backwards: list[list[Action]], warmup: int) -> tuple:
@@ -54,6 +54,12 @@ def interleaved_one_f_one_b(num_devices: int, num_microbatches: int, chunks: int
             f"interleaved-1f1b needs at least {num_devices} microbatches (one per pipeline stage); "
             f"got {num_microbatches}"
         )
+    if num_microbatches % num_devices:
+        # Megatron's own rule (a last microbatch group smaller than the pipeline deadlocks its order).
+        raise ScheduleError(
+            f"interleaved-1f1b with {num_devices} devices needs a multiple of {num_devices} microbatches; "
+            f"got {num_microbatches}"
+        )
     group = num_devices
     table = [
         (mb, chunk)
@@ -69,4 +75,6 @@ def interleaved_one_f_one_b(num_devices: int, num_microbatches: int, chunks: int
         warmup = min((num_devices - device - 1) * 2 + (chunks - 1) * group, total)
         programs.append(_one_f_one_b_order(forwards, backwards, warmup))
     placement = Placement.looped(num_devices, chunks)
-    return Schedule("interleaved-1f1b", placement, num_microbatches, tuple(programs), {"chunks": chunks})
+    return Schedule(
+        "interleaved-1f1b", placement, num_microbatches, tuple(programs), {"chunks": chunks}, fused_backward=True
+    )

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .actions import Action, Kind
-from .greedy import GreedyConfig, greedy_schedule
+from .greedy import Admission, GreedyConfig, greedy_schedule
 from .schedule import Costs, Placement, Schedule, ScheduleError
-from .simulator import DeadlockError, simulate
+from .simulator import simulate
 
 
 @dataclass(frozen=True)
@@ -164,15 +164,20 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
     repeated = block.repeat(num_microbatches, name)
     squeezed = simulate(repeated, costs)
     position = {a: i for program in repeated.programs for i, a in enumerate(program)}
-    config = GreedyConfig(
-        memory_caps=list(squeezed.peak_memory), priority=lambda a: (position[a],), reserve=False
-    )
-    try:
-        reordered = greedy_schedule(name, block.placement, num_microbatches, costs, config)
-    except (ScheduleError, DeadlockError):
-        return repeated
-    result = simulate(reordered, costs)
-    better = result.makespan < squeezed.makespan - 1e-9 and all(
-        new <= old + 1e-9 for new, old in zip(result.peak_memory, squeezed.peak_memory)
-    )
-    return reordered if better else repeated
+    best, best_makespan = repeated, squeezed.makespan
+    for admission in Admission:
+        config = GreedyConfig(
+            memory_caps=list(squeezed.peak_memory),
+            priority=lambda a: (position[a],),
+            admission=admission,
+            wait_window=costs.comm,
+        )
+        try:
+            reordered = greedy_schedule(name, block.placement, num_microbatches, costs, config)
+        except ScheduleError:
+            continue  # the caps made the list scheduler stall: keep what we have
+        result = simulate(reordered, costs)
+        fits = all(new <= old + 1e-9 for new, old in zip(result.peak_memory, squeezed.peak_memory))
+        if fits and result.makespan < best_makespan - 1e-9:
+            best, best_makespan = reordered, result.makespan
+    return best

@@ -19,9 +19,11 @@ from __future__ import annotations
 import enum
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .actions import Action, Kind
 from .dependencies import dependencies
+from .drive import drive
 from .schedule import Schedule, ScheduleError
 
 
@@ -29,9 +31,12 @@ class Payload(enum.Enum):
     ACTIVATION = "act"  # output of F(stage) -> input of F(stage + 1)
     GRADIENT = "grad"  # input-grad of B(stage) -> output-grad of B(stage - 1)
 
+    __hash__ = object.__hash__  # singletons; C-speed hashing (see Kind)
 
-@dataclass(frozen=True, order=True)
-class Message:
+
+class Message(NamedTuple):
+    """One tensor sent between two devices (a NamedTuple: plans hold many, hashed in C)."""
+
     payload: Payload
     src_stage: int  # the stage that produced the tensor
     microbatch: int
@@ -49,8 +54,7 @@ class Message:
         )
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     """One compute action with the receives it waits for and the sends it posts after."""
 
     action: Action
@@ -128,27 +132,18 @@ def check_plan(plans: tuple[DevicePlan, ...]) -> None:
     order equals its send order, and that blocking on receives in program order never deadlocks.
     """
     _check_matching(plans)
-    cursor = [0] * len(plans)
-    sent: set[Message] = set()
-    remaining = sum(len(p.steps) for p in plans)
-    while remaining:
-        progressed = False
-        for device, plan in enumerate(plans):
-            while cursor[device] < len(plan.steps):
-                step = plan.steps[cursor[device]]
-                if not all(msg in sent for msg in step.recvs):
-                    break
-                sent.update(step.sends)
-                cursor[device] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            waiting = [
-                f"device {dev} waits for {', '.join(str(m) for m in plan.steps[c].recvs if m not in sent)}"
-                for dev, (c, plan) in enumerate(zip(cursor, plans))
-                if c < len(plan.steps)
-            ]
-            raise CommError("p2p plan deadlocks: " + "; ".join(waiting))
+    cursor = drive(
+        [plan.steps for plan in plans],
+        needs=lambda device, step: step.recvs,
+        run=lambda device, step: step.sends,
+    )
+    waiting = [
+        f"device {dev} waits for {', '.join(str(m) for m in plan.steps[c].recvs)}"
+        for dev, (c, plan) in enumerate(zip(cursor, plans))
+        if c < len(plan.steps)
+    ]
+    if waiting:
+        raise CommError("p2p plan deadlocks: " + "; ".join(waiting))
 
 
 def _check_matching(plans) -> None:

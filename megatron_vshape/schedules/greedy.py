@@ -14,6 +14,7 @@ Costs are real inputs: the resulting order adapts to F/B/W/comm times.
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,23 @@ class GreedyConfig:
     memory_caps: Sequence[float]  # per device, in memory units (default model: W frees)
     priority: Callable[[Action], tuple]
     inflight_limits: Sequence[int] | None = None  # per device: max F whose B has not run
-    reserve: bool = True  # admission control (see module doc); False may stall, but packs tighter
+    admission: Admission = None  # type: ignore[assignment]  # set in __post_init__
+    # Stay idle rather than start a lower-priority pass when a higher-priority one arrives within
+    # this time (e.g. a gradient still in flight for ``comm``): starting a W there would delay
+    # the backward chain by a whole W.
+    wait_window: float = 0.0
+
+    def __post_init__(self):
+        if self.admission is None:
+            object.__setattr__(self, "admission", Admission.RESERVE_ALL)
+
+
+class Admission(enum.Enum):
+    """How an F of a device's first stage (a microbatch entering the device) is admitted."""
+
+    RESERVE_ALL = "all"  # reserve the device's later-chunk F of every admitted microbatch: never stalls
+    HEADROOM = "one"  # keep room for one later-chunk F only: packs tighter, may stall (then discarded)
+    NONE = "none"  # plain memory cap on every F: may stall
 
 
 @dataclass
@@ -96,8 +113,9 @@ def greedy_schedule(
         heapq.heappush(heaps[device], (priority(action), action))
         heapq.heappush(events, ready)
 
-    for mb in range(num_microbatches):
-        offer(Action(Kind.F, 0, mb))
+    # Stage-0 forwards have no inputs; offering them one at a time (in microbatch order) keeps
+    # the first device's heap small instead of holding every microbatch from the start.
+    offer(Action(Kind.F, 0, 0))
     remaining = 3 * num_stages * num_microbatches
     now = 0.0
     while remaining:
@@ -114,6 +132,8 @@ def greedy_schedule(
             programs[device].append(chosen)
             remaining -= 1
             _account(chosen, device, state)
+            if chosen.kind is Kind.F and chosen.stage == 0 and chosen.microbatch + 1 < num_microbatches:
+                offer(Action(Kind.F, 0, chosen.microbatch + 1))
             for nxt in consumers(chosen, num_stages):
                 needed = missing.get(nxt)
                 if needed is None:
@@ -129,16 +149,26 @@ def greedy_schedule(
 
 
 def _pick(heap, ready_at, now, device, state, config):
+    """Pop the highest-priority pass that can start now (or None to wait); restore the others."""
     skipped = []
     chosen = None
+    worth_waiting = False
     while heap:
         key, action = heapq.heappop(heap)
-        if ready_at[action] <= now + _EPS and _allowed(action, device, state, config):
-            chosen = action
-            break
         skipped.append((key, action))
+        if not _allowed(action, device, state, config):
+            continue
+        ready = ready_at[action]
+        if ready <= now + _EPS:
+            chosen = action
+            skipped.pop()
+            break
+        worth_waiting = worth_waiting or ready <= now + config.wait_window + _EPS
     for item in skipped:
         heapq.heappush(heap, item)
+    if chosen is not None and worth_waiting:
+        heapq.heappush(heap, (config.priority(chosen), chosen))
+        return None
     return chosen
 
 
@@ -146,13 +176,18 @@ def _allowed(action, device, state: _DeviceState, config) -> bool:
     if action.kind is not Kind.F:
         return True
     cap = config.memory_caps[device] + _EPS
-    if not config.reserve:
-        if state.memory[device] + state.activation > cap:
+    entering = action.stage == state.first_stage[device]
+    if config.admission is Admission.RESERVE_ALL:
+        if not entering:
+            return True  # admitted earlier: its memory is reserved
+        if state.memory[device] + state.reserved[device] + state.activation * state.chunks > cap:
             return False
-    elif action.stage != state.first_stage[device]:
-        return True  # admitted earlier: its memory is reserved
-    elif state.memory[device] + state.reserved[device] + state.activation * state.chunks > cap:
-        return False
+    else:
+        headroom = (state.chunks - 1) * state.activation
+        if config.admission is Admission.NONE or not entering:
+            headroom = 0.0
+        if state.memory[device] + state.activation + headroom > cap:
+            return False
     limits = config.inflight_limits
     return limits is None or state.inflight[device] < limits[device]
 

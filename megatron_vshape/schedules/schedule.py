@@ -54,14 +54,13 @@ class Placement:
         """Index of ``stage`` among its device's stages (the megatron model-chunk index)."""
         return self.stages_per_device[self.device_of(stage)].index(stage)
 
-    @property
-    def _device_of_stage(self) -> dict[int, int]:
-        # Cached lazily on the frozen instance; the mapping is pure data derived from the fields.
-        cache = self.__dict__.get("_cache_device_of")
-        if cache is None:
-            cache = {s: dev for dev, stages in enumerate(self.stages_per_device) for s in stages}
-            object.__setattr__(self, "_cache_device_of", cache)
-        return cache
+    def __post_init__(self) -> None:
+        # Derived lookup table; hot in simulation, so computed once per placement.
+        table = [0] * sum(len(stages) for stages in self.stages_per_device)
+        for device, stages in enumerate(self.stages_per_device):
+            for stage in stages:
+                table[stage] = device
+        object.__setattr__(self, "_device_of_stage", tuple(table))
 
     @property
     def layer_scale(self) -> float:
@@ -79,7 +78,7 @@ class Costs:
     comm: float = 0.0
 
     def of(self, kind: Kind) -> float:
-        return {Kind.F: self.f, Kind.B: self.b, Kind.W: self.w}[kind]
+        return self.f if kind is Kind.F else self.b if kind is Kind.B else self.w
 
     @classmethod
     def parse(cls, text: str) -> Costs:
@@ -133,6 +132,10 @@ class Schedule:
     num_microbatches: int
     programs: tuple[tuple[Action, ...], ...]
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    # True for schedules that never split the backward (GPipe, 1F1B, interleaved): each W directly
+    # follows its B and the runtime runs the pair as one ordinary backward, so the input gradient
+    # leaves the device only when the pair ends.
+    fused_backward: bool = False
 
     @property
     def num_devices(self) -> int:

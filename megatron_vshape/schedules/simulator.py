@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .actions import Action, Kind
 from .dependencies import dependencies
+from .drive import drive
 from .schedule import Costs, MemoryModel, Schedule, ScheduleError
 
 
@@ -81,42 +82,39 @@ def simulate(
 def _run_programs(schedule: Schedule, costs: Costs) -> dict[Action, Interval]:
     """As-soon-as-possible execution of every device's program in order ("squeeze")."""
     num_stages = schedule.num_stages
+    device_of = schedule.placement.device_of
     timeline: dict[Action, Interval] = {}
-    cursor = [0] * schedule.num_devices
     device_free = [0.0] * schedule.num_devices
-    remaining = sum(len(p) for p in schedule.programs)
-    while remaining:
-        progressed = False
-        for device, program in enumerate(schedule.programs):
-            while cursor[device] < len(program):
-                action = program[cursor[device]]
-                ready = _ready_time(action, device, schedule, costs, timeline, num_stages)
-                if ready is None:
-                    break
-                start = max(ready, device_free[device])
-                end = start + schedule.pass_cost(action, costs)
-                timeline[action] = Interval(device, start, end)
-                device_free[device] = end
-                cursor[device] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [str(p[c]) for p, c in zip(schedule.programs, cursor) if c < len(p)]
-            raise DeadlockError(
-                f"schedule {schedule.name!r} deadlocks: devices wait forever at {', '.join(stuck)}"
-            )
+    scale = schedule.placement.layer_scale
+    duration = {kind: costs.of(kind) * scale for kind in Kind}
+
+    def inputs(action: Action):
+        deps = dependencies(action, num_stages)
+        if schedule.fused_backward and action.kind is Kind.B:
+            # The upstream gradient leaves only when that stage's fused B+W ends.
+            deps = tuple(Action(Kind.W, d.stage, d.microbatch) if d.kind is Kind.B else d for d in deps)
+        return deps
+
+    def needs(device: int, action: Action):
+        return inputs(action)
+
+    def run(device: int, action: Action):
+        ready = device_free[device]
+        for dep in inputs(action):
+            end = timeline[dep].end
+            if device_of(dep.stage) != device:
+                end += costs.comm
+            ready = max(ready, end)
+        end = ready + duration[action.kind]
+        timeline[action] = Interval(device, ready, end)
+        device_free[device] = end
+        return (action,)
+
+    cursor = drive(schedule.programs, needs, run)
+    stuck = [str(p[c]) for p, c in zip(schedule.programs, cursor) if c < len(p)]
+    if stuck:
+        raise DeadlockError(f"schedule {schedule.name!r} deadlocks: devices wait forever at {', '.join(stuck)}")
     return timeline
-
-
-def _ready_time(action, device, schedule, costs, timeline, num_stages) -> float | None:
-    ready = 0.0
-    for dep in dependencies(action, num_stages):
-        interval = timeline.get(dep)
-        if interval is None:
-            return None
-        comm = costs.comm if interval.device != device else 0.0
-        ready = max(ready, interval.end + comm)
-    return ready
 
 
 def _memory_timeline(schedule, program, timeline, memory: MemoryModel):

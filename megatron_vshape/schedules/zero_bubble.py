@@ -11,20 +11,67 @@ the smallest makespan under the given costs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from .actions import Kind
-from .greedy import GreedyConfig, greedy_schedule
+from .greedy import Admission, GreedyConfig, greedy_schedule
 from .schedule import Costs, Placement, Schedule, ScheduleError
 from .simulator import simulate
 
 _KIND_RANK_B_FIRST = {Kind.B: 0, Kind.F: 1, Kind.W: 2}
 _KIND_RANK_F_FIRST = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
 
+# Above this many (device x microbatch) cells, variants are compared on a shorter run (the
+# steady state decides the winner) and only the winner is built at full size.
+_PROXY_CELLS = 2048
 
-def _priorities():
-    """Variants: B before F or F before B; among a kind, deeper stage first or oldest microbatch first."""
-    for ranks in (_KIND_RANK_B_FIRST, _KIND_RANK_F_FIRST):
-        yield lambda a, r=ranks: (r[a.kind], -a.stage, a.microbatch)
-        yield lambda a, r=ranks: (r[a.kind], a.microbatch, -a.stage)
+
+def _b_first_deep(a):
+    return (_KIND_RANK_B_FIRST[a.kind], -a.stage, a.microbatch)
+
+
+def _b_first_old(a):
+    return (_KIND_RANK_B_FIRST[a.kind], a.microbatch, -a.stage)
+
+
+def _f_first_deep(a):
+    return (_KIND_RANK_F_FIRST[a.kind], -a.stage, a.microbatch)
+
+
+def _f_first_old(a):
+    return (_KIND_RANK_F_FIRST[a.kind], a.microbatch, -a.stage)
+
+
+@dataclass(frozen=True)
+class _Variant:
+    priority: Callable
+    admission: Admission
+    wait_window: float
+
+
+def _variants(placement: Placement, costs: Costs) -> list[_Variant]:
+    """The on/off rule variants worth trying (measured over d=3..12, m=2d..4d, four cost sets).
+
+    With one chunk per device the stage order and the admission modes coincide, so only the
+    B-or-F-first rule and the waiting window vary. On the V placement the winners spread over
+    priority and admission; RESERVE_ALL is kept because it can never stall.
+    """
+    windows = sorted({costs.comm, costs.comm + 0.5 * min(costs.f, costs.b, costs.w)})
+    if placement.chunks_per_device == 1:
+        rules = [(_b_first_deep, Admission.RESERVE_ALL), (_f_first_deep, Admission.RESERVE_ALL)]
+        windows = sorted({0.0, *windows})
+    else:
+        rules = [
+            (_f_first_old, Admission.NONE),
+            (_f_first_deep, Admission.NONE),
+            (_f_first_deep, Admission.HEADROOM),
+            (_f_first_old, Admission.HEADROOM),
+            (_b_first_old, Admission.HEADROOM),
+            (_f_first_old, Admission.RESERVE_ALL),
+            (_b_first_deep, Admission.RESERVE_ALL),
+        ]
+    return [_Variant(p, a, w) for p, a in rules for w in windows]
 
 
 def best_greedy(
@@ -35,21 +82,31 @@ def best_greedy(
     memory_caps: list[float],
     inflight_limits: list[int] | None = None,
 ) -> Schedule:
-    best, best_key = None, None
-    variants = [(p, r) for p in _priorities() for r in (True, False)]
-    for priority, reserve in variants:
-        config = GreedyConfig(memory_caps, priority, inflight_limits, reserve)
+    """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory)."""
+    variants = _variants(placement, costs)
+    num_devices = placement.num_devices
+    if num_devices * num_microbatches > _PROXY_CELLS and len(variants) > 1:
+        proxy_m = max(2 * num_devices, _PROXY_CELLS // num_devices)
+        ranked = _rank(name, placement, proxy_m, costs, memory_caps, inflight_limits, variants)
+        variants = [variant for _, variant, _ in ranked[:2]] + [v for v in variants if v.admission is Admission.RESERVE_ALL][:1]
+    ranked = _rank(name, placement, num_microbatches, costs, memory_caps, inflight_limits, variants)
+    if not ranked:
+        raise ScheduleError(f"{name}: no variant of the greedy scheduler fits the memory caps {memory_caps}")
+    return ranked[0][2]
+
+
+def _rank(name, placement, num_microbatches, costs, memory_caps, inflight_limits, variants):
+    ranked = []
+    for index, variant in enumerate(variants):
+        config = GreedyConfig(memory_caps, variant.priority, inflight_limits, variant.admission, variant.wait_window)
         try:
             schedule = greedy_schedule(name, placement, num_microbatches, costs, config)
         except ScheduleError:
-            continue
+            continue  # this variant stalls under the caps
         result = simulate(schedule, costs)
-        key = (round(result.makespan, 9), result.peak_memory_max)
-        if best_key is None or key < best_key:
-            best, best_key = schedule, key
-    if best is None:
-        raise ScheduleError(f"{name}: no variant of the greedy scheduler fits the memory caps {memory_caps}")
-    return best
+        ranked.append(((round(result.makespan, 9), result.peak_memory_max, index), variant, schedule))
+    ranked.sort(key=lambda item: item[0])
+    return ranked
 
 
 def zb_h1(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
@@ -60,9 +117,16 @@ def zb_h1(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
 
 
 def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int) -> Schedule:
+    """ZB-1P / ZB-2P: the best greedy schedule under the memory cap; ZB-H1's 1F1B-like
+    in-flight limit is one of the variants tried, so ZB-1P is never worse than ZB-H1."""
     placement = Placement.looped(num_devices)
     caps = [float(factor * num_devices)] * num_devices
-    return best_greedy(f"zb-{factor}p", placement, num_microbatches, costs, caps)
+    name = f"zb-{factor}p"
+    candidates = [best_greedy(name, placement, num_microbatches, costs, caps)]
+    for extra in range(factor):
+        limits = [num_devices - device + extra * num_devices for device in range(num_devices)]
+        candidates.append(best_greedy(name, placement, num_microbatches, costs, caps, limits))
+    return min(candidates, key=lambda s: simulate(s, costs).makespan)
 
 
 def v_zb(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
