@@ -48,14 +48,15 @@ class _Variant:
     priority: Callable
     admission: Admission
     wait_window: float
+    inflight_limits: tuple[int, ...] | None = None
 
 
-def _variants(placement: Placement, costs: Costs) -> list[_Variant]:
+def _variants(placement: Placement, costs: Costs, limit_options) -> list[_Variant]:
     """The on/off rule variants worth trying (measured over d=3..12, m=2d..4d, four cost sets).
 
     With one chunk per device the stage order and the admission modes coincide, so only the
-    B-or-F-first rule and the waiting window vary. On the V placement the winners spread over
-    priority and admission; RESERVE_ALL is kept because it can never stall.
+    B-or-F-first rule, the waiting window and the in-flight limit vary. On the V placement the
+    winners spread over priority and admission; RESERVE_ALL is kept because it never stalls.
     """
     windows = sorted({costs.comm, costs.comm + 0.5 * min(costs.f, costs.b, costs.w)})
     if placement.chunks_per_device == 1:
@@ -71,7 +72,7 @@ def _variants(placement: Placement, costs: Costs) -> list[_Variant]:
             (_f_first_old, Admission.RESERVE_ALL),
             (_b_first_deep, Admission.RESERVE_ALL),
         ]
-    return [_Variant(p, a, w) for p, a in rules for w in windows]
+    return [_Variant(p, a, w, limits) for p, a in rules for w in windows for limits in limit_options]
 
 
 def best_greedy(
@@ -80,25 +81,35 @@ def best_greedy(
     num_microbatches: int,
     costs: Costs,
     memory_caps: list[float],
-    inflight_limits: list[int] | None = None,
+    limit_options: list[tuple[int, ...] | None] = (None,),
 ) -> Schedule:
-    """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory)."""
-    variants = _variants(placement, costs)
+    """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory).
+
+    Large problems rank the variants on a shorter run (the steady state decides the winner)
+    and build only the best ones at full size.
+    """
+    variants = _variants(placement, costs, limit_options)
     num_devices = placement.num_devices
-    if num_devices * num_microbatches > _PROXY_CELLS and len(variants) > 1:
+    if num_devices * num_microbatches > _PROXY_CELLS:
         proxy_m = max(2 * num_devices, _PROXY_CELLS // num_devices)
-        ranked = _rank(name, placement, proxy_m, costs, memory_caps, inflight_limits, variants)
-        variants = [variant for _, variant, _ in ranked[:2]] + [v for v in variants if v.admission is Admission.RESERVE_ALL][:1]
-    ranked = _rank(name, placement, num_microbatches, costs, memory_caps, inflight_limits, variants)
+        ranked = _rank(name, placement, proxy_m, costs, memory_caps, variants)
+        variants = [variant for _, variant, _ in ranked]
+    for variant in variants if num_devices * num_microbatches > _PROXY_CELLS else ():
+        ranked = _rank(name, placement, num_microbatches, costs, memory_caps, [variant])
+        if ranked:  # the proxy's winner can still stall at full size: then take the next one
+            return ranked[0][2]
+    ranked = _rank(name, placement, num_microbatches, costs, memory_caps, variants)
     if not ranked:
         raise ScheduleError(f"{name}: no variant of the greedy scheduler fits the memory caps {memory_caps}")
     return ranked[0][2]
 
 
-def _rank(name, placement, num_microbatches, costs, memory_caps, inflight_limits, variants):
+def _rank(name, placement, num_microbatches, costs, memory_caps, variants):
     ranked = []
     for index, variant in enumerate(variants):
-        config = GreedyConfig(memory_caps, variant.priority, inflight_limits, variant.admission, variant.wait_window)
+        config = GreedyConfig(
+            memory_caps, variant.priority, variant.inflight_limits, variant.admission, variant.wait_window
+        )
         try:
             schedule = greedy_schedule(name, placement, num_microbatches, costs, config)
         except ScheduleError:
@@ -112,26 +123,22 @@ def _rank(name, placement, num_microbatches, costs, memory_caps, inflight_limits
 def zb_h1(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
     placement = Placement.looped(num_devices)
     caps = [float(num_devices)] * num_devices
-    inflight = [num_devices - device for device in range(num_devices)]
-    return best_greedy("zb-h1", placement, num_microbatches, costs, caps, inflight)
+    inflight = tuple(num_devices - device for device in range(num_devices))
+    return best_greedy("zb-h1", placement, num_microbatches, costs, caps, [inflight])
 
 
 def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int) -> Schedule:
-    """ZB-1P / ZB-2P: the best greedy schedule under the memory cap; ZB-H1's 1F1B-like
-    in-flight limit is one of the variants tried, so ZB-1P is never worse than ZB-H1."""
+    """ZB-1P / ZB-2P: the best greedy schedule under the memory cap. ZB-H1's 1F1B-like
+    in-flight limit is among the variants tried, so ZB-1P is never worse than ZB-H1."""
     placement = Placement.looped(num_devices)
     caps = [float(factor * num_devices)] * num_devices
-    name = f"zb-{factor}p"
-    candidates = [best_greedy(name, placement, num_microbatches, costs, caps)]
-    for extra in range(factor):
-        limits = [num_devices - device + extra * num_devices for device in range(num_devices)]
-        candidates.append(best_greedy(name, placement, num_microbatches, costs, caps, limits))
-    return min(candidates, key=lambda s: simulate(s, costs).makespan)
+    limits = [None] + [
+        tuple(num_devices - device + extra * num_devices for device in range(num_devices)) for extra in range(factor)
+    ]
+    return best_greedy(f"zb-{factor}p", placement, num_microbatches, costs, caps, limits)
 
 
 def v_zb(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
     placement = Placement.v_shape(num_devices)
     caps = [float(num_devices)] * num_devices
     return best_greedy("v-zb", placement, num_microbatches, costs, caps)
-
-

@@ -1,0 +1,383 @@
+"""``v-auto``: the adaptive V schedule under a memory limit (paper appendix B).
+
+The user sets the activation memory, the schedule follows. For ``(d, m, costs)`` we build a
+fixed set of candidate schedules on the V placement, evaluate each one (peak memory, bubble
+under the given costs), and for a limit return the lowest-bubble candidate that fits.
+
+Candidates:
+
+* **Building blocks** with uniform gaps along each leg of the V (F chunk 0 down, F chunk 1 up,
+  B chunk 1 down, B chunk 0 up), and blocks whose gaps switch at one device boundary; idle
+  slots at the three turns of the V are chosen so the block is collision-free modulo the
+  interval (6 slots). W passes go into the free slots after their B, as in ``blocks.fill_w``.
+  Each block is repeated, squeezed and reordered by ``schedule_from_block``. V-Min and V-Half
+  are members of this family and are added explicitly, so v-auto is never worse than them.
+* **Memory-capped greedy V schedules** (``zero_bubble.best_greedy``) at a fixed grid of caps,
+  plus V-ZB itself at 1F1B's memory.
+
+The candidate set depends on ``(d, m, costs)`` only, never on the limit, so the returned bubble
+can only fall as the limit rises: every candidate that fits a lower limit fits a higher one.
+
+Enumerating blocks is cheap; evaluating one is a full simulation. Blocks are therefore screened
+on a short run (``_SCREEN_MICROBATCHES``) and only the best few per memory level are evaluated.
+Above ``_PROXY_CELLS`` (devices x microbatches) the finalists are compared on a shorter run and
+only the winner is built at full size, which keeps start-up time bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .actions import Kind
+from .blocks import BuildingBlock, schedule_from_block
+from .schedule import Costs, Placement, Schedule, ScheduleError
+from .simulator import simulate
+from .v_schedules import V_INTERVAL, v_half_block, v_min_block
+from .zero_bubble import best_greedy, v_zb
+
+NAME = "v-auto"
+_GAPS = (1, 2, 3)  # slots between consecutive devices along a leg: 1 = V-Min-like, 3 = loose
+_SWITCH_STEPS = ((1, 0, 1, 0), (-1, 0, -1, 0), (0, 1, 0, 1), (0, -1, 0, -1))
+_GREEDY_FRACTIONS = (0.5, 0.625, 0.75, 0.875)  # caps of the greedy candidates, x 1F1B's peak
+_SCREEN_MICROBATCHES = 4  # short run that ranks blocks of one memory level
+_PER_LEVEL = 2  # blocks per memory level that get a full evaluation
+_PROXY_CELLS = 1024  # above d*m, candidates are compared on a shorter run (see evaluate_candidates)
+_PROXY_RUN_CELLS = 512  # ... of max(2d, _PROXY_RUN_CELLS // d) microbatches
+_EPS = 1e-9
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+@dataclass(frozen=True)
+class GapPattern:
+    """Where one microbatch's F and B passes start, as gaps along the four legs of the V.
+
+    Each leg holds ``d - 1`` gaps; entry ``j`` is the distance between devices ``j`` and
+    ``j + 1``. ``joins`` are the idle slots at the three turns: F chunk 0 -> F chunk 1 on the
+    last device, F chunk 1 -> B chunk 1 on device 0 (the loss), B chunk 1 -> B chunk 0 on the
+    last device.
+    """
+
+    f0: tuple[int, ...]
+    f1: tuple[int, ...]
+    b1: tuple[int, ...]
+    b0: tuple[int, ...]
+    joins: tuple[int, int, int] = (0, 0, 0)
+
+    def starts(self) -> list[tuple[int, int, int, int]]:
+        """Per device: start slots of [F chunk 0, F chunk 1, B chunk 1, B chunk 0]."""
+        d = len(self.f0) + 1
+        f0 = list(itertools.accumulate(self.f0, initial=0))
+        f1 = _descending(f0[-1] + 1 + self.joins[0], self.f1)
+        b1 = list(itertools.accumulate(self.b1, initial=f1[0] + 1 + self.joins[1]))
+        b0 = _descending(b1[-1] + 1 + self.joins[2], self.b0)
+        return [(f0[i], f1[i], b1[i], b0[i]) for i in range(d)]
+
+    def label(self) -> str:
+        legs = "/".join(_compress(leg) for leg in (self.f0, self.f1, self.b1, self.b0))
+        return f"gaps {legs} joins {','.join(map(str, self.joins))}"
+
+
+def _descending(last: int, gaps: tuple[int, ...]) -> list[int]:
+    """Starts along a leg that runs from the last device back to device 0."""
+    out = [last]
+    for gap in reversed(gaps):
+        out.append(out[-1] + gap)
+    return out[::-1]
+
+
+def _compress(leg: tuple[int, ...]) -> str:
+    """'2' for a uniform leg, '1x3+2x4' for three gaps of 1 then four of 2."""
+    runs = [(g, len(list(group))) for g, group in itertools.groupby(leg)]
+    return str(runs[0][0]) if len(runs) == 1 else "+".join(f"{g}x{n}" for g, n in runs)
+
+
+def _leg_patterns(num_devices: int):
+    """Gap sequences per leg: uniform, and switching by one slot at one device boundary.
+
+    A switch moves the two legs of one direction together (F chunk 0 with B chunk 1, which run
+    from device 0 outwards, or F chunk 1 with B chunk 0): that shifts the lifespans of the
+    devices past the boundary, which is what trades memory for bubble between the uniform levels.
+    """
+    n = num_devices - 1
+    for gaps in itertools.product(_GAPS, repeat=4):
+        yield tuple((g,) * n for g in gaps)
+    for gaps, step, k in itertools.product(itertools.product(_GAPS, repeat=4), _SWITCH_STEPS, range(1, n)):
+        other = tuple(g + s for g, s in zip(gaps, step))
+        if all(g in _GAPS for g in other):
+            yield tuple((g,) * k + (h,) * (n - k) for g, h in zip(gaps, other))
+
+
+def _collision_free_joins(legs: tuple[tuple[int, ...], ...]):
+    """Joins that make every device's four F/B residues (mod the interval) distinct.
+
+    Decided turn by turn: the first join fixes F chunk 1, the second B chunk 1, the third B chunk 0,
+    so a bad prefix is dropped before trying the later turns.
+    """
+    interval = V_INTERVAL
+    base = GapPattern(*legs).starts()
+    # Offsets of each pass relative to the pattern with all joins 0: F1 moves by j1, B1 by j1+j2, ...
+    for j1 in range(interval):
+        r1 = [(f0 % interval, (f1 + j1) % interval) for f0, f1, _, _ in base]
+        if any(x == y for x, y in r1):
+            continue
+        for j2 in range(interval):
+            r2 = [(b1 + j1 + j2) % interval for _, _, b1, _ in base]
+            if any(r in pair for r, pair in zip(r2, r1)):
+                continue
+            for j3 in range(interval):
+                r3 = [(b0 + j1 + j2 + j3) % interval for _, _, _, b0 in base]
+                if any(r in pair or r == rb for r, pair, rb in zip(r3, r1, r2)):
+                    continue
+                yield (j1, j2, j3)
+
+
+def _block(placement: Placement, starts: list[tuple[int, int, int, int]]) -> BuildingBlock:
+    """Block from F/B starts; W of each stage in one of the device's two free slots after its B.
+
+    Same rule as ``blocks.fill_w`` (lowest steady peak, then shortest lifespans), scored per
+    device: the devices do not interact, and scoring locally is what makes enumerating
+    hundreds of blocks affordable.
+    """
+    interval = V_INTERVAL
+    offsets = {}
+    for device, (f0, f1, b1, b0) in enumerate(starts):
+        chunk0, chunk1 = placement.stages_per_device[device]
+        offsets.update({(Kind.F, chunk0): f0, (Kind.F, chunk1): f1, (Kind.B, chunk1): b1, (Kind.B, chunk0): b0})
+        free = [r for r in range(interval) if r not in {x % interval for x in (f0, f1, b1, b0)}]
+        best_key, best_w = None, None
+        for r0, r1 in itertools.permutations(free, 2):
+            w0 = b0 + 1 + (r0 - b0 - 1) % interval
+            w1 = b1 + 1 + (r1 - b1 - 1) % interval
+            key = (_steady_live(((f0, w0 + 1), (f1, w1 + 1)), interval), w0 - f0 + w1 - f1)
+            if best_key is None or key < best_key:
+                best_key, best_w = key, (w0, w1)
+        offsets[(Kind.W, chunk0)], offsets[(Kind.W, chunk1)] = best_w
+    return BuildingBlock(placement, interval, offsets)
+
+
+def _steady_live(windows, interval: int) -> int:
+    """Most copies of the windows [start, end) alive at once when repeated every ``interval``."""
+    return max(
+        sum((tau - start) // interval - (tau - end) // interval for start, end in windows)
+        for tau in range(interval)
+    )
+
+
+def _order_key(block: BuildingBlock) -> tuple:
+    """Two blocks with equal keys repeat into identical programs (same order on every device)."""
+    interval = block.interval
+    key = []
+    for stages in block.placement.stages_per_device:
+        starts = [block.offsets[(kind, s)] for s in stages for kind in Kind]
+        ref = min(starts)
+        residues = sorted((x - ref) % interval for x in starts)
+        key.append(tuple(((x - ref) // interval, residues.index((x - ref) % interval)) for x in starts))
+    return tuple(key)
+
+
+@lru_cache(maxsize=32)
+def candidate_blocks(num_devices: int) -> tuple[tuple[str, BuildingBlock], ...]:
+    """Distinct collision-free blocks whose steady peak fits 1F1B's memory, with labels.
+
+    V-Min and V-Half come first (under their own names), then the enumerated family.
+    """
+    placement = Placement.v_shape(num_devices)
+    blocks = [("v-min", v_min_block(num_devices)), ("v-half", v_half_block(num_devices))]
+    seen = {_order_key(block) for _, block in blocks}
+    for legs in _leg_patterns(num_devices):
+        for joins in _collision_free_joins(legs):
+            pattern = GapPattern(*legs, joins)
+            block = _block(placement, pattern.starts())
+            if max(block.steady_peak()) > num_devices + _EPS:
+                continue  # more memory than 1F1B: never admissible (limits are <= 1)
+            key = _order_key(block)
+            if key not in seen:
+                seen.add(key)
+                blocks.append((pattern.label(), block))
+    return tuple(blocks)
+
+
+# ---------------------------------------------------------------- candidates and their evaluation
+
+
+@dataclass(frozen=True)
+class BlockCandidate:
+    """A building block, repeated, squeezed and reordered under the costs."""
+
+    label: str
+    block: BuildingBlock
+
+    def memory_bound(self) -> float:
+        return max(self.block.steady_peak())
+
+    def build(self, num_microbatches: int, costs: Costs) -> Schedule:
+        return schedule_from_block(self.block, num_microbatches, costs, NAME)
+
+
+@dataclass(frozen=True)
+class GreedyCandidate:
+    """The best memory-capped greedy V schedule; at 1F1B's memory this is V-ZB itself."""
+
+    num_devices: int
+    cap: float  # memory units, every device
+
+    @property
+    def label(self) -> str:
+        return "v-zb" if self.cap >= self.num_devices else f"greedy cap {self.cap:g}"
+
+    def memory_bound(self) -> float:
+        return self.cap
+
+    def build(self, num_microbatches: int, costs: Costs) -> Schedule:
+        d = self.num_devices
+        if self.cap >= d:
+            return v_zb(d, num_microbatches, costs)
+        return best_greedy(NAME, Placement.v_shape(d), num_microbatches, costs, [self.cap] * d)
+
+
+Candidate = BlockCandidate | GreedyCandidate
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A candidate's peak memory (units, worst device) and bubble rate under the costs.
+
+    ``exact``: measured on the schedule at the requested size (which is then kept in
+    ``schedule``). Otherwise ``bubble`` comes from a shorter run and ``peak`` is the
+    candidate's memory bound, which the full-size schedule never exceeds.
+    """
+
+    candidate: Candidate
+    peak: float
+    bubble: float
+    exact: bool
+    schedule: Schedule | None = None
+
+
+def greedy_caps(num_devices: int) -> list[float]:
+    """A fixed grid of caps (memory units): quarters of 1F1B's peak, rounded down to half units,
+    never below 1 unit (one microbatch at a time on both chunks). The top one is V-ZB."""
+    return sorted({max(1.0, math.floor(2 * num_devices * q / 4) / 2) for q in (1, 2, 3, 4)})
+
+
+def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> list[BlockCandidate]:
+    """V-Min, V-Half, and the enumerated blocks worth a full evaluation.
+
+    Evaluating a block means repeat, squeeze and reorder (several list-scheduler runs), so the
+    family is screened first. Stage 1: a short run (``_SCREEN_MICROBATCHES``, repeated and
+    squeezed) ranks blocks of equal memory well (measured at d=8: each level's best ends up in
+    the top two); keep ``_PER_LEVEL`` per memory level. Stage 2: the squeezed run at the evaluation
+    size (the reorder can only improve it) picks one block per level, and a level is kept only if
+    it beats every lower level: more memory must buy a lower bubble.
+    """
+    named, levels = [], {}
+    screen_m = min(run_microbatches, _SCREEN_MICROBATCHES)
+    for label, block in candidate_blocks(num_devices):
+        candidate = BlockCandidate(label, block)
+        if label in ("v-min", "v-half"):
+            named.append(candidate)
+            continue
+        bubble = simulate(block.repeat(screen_m, NAME), costs).bubble_rate
+        levels.setdefault(candidate.memory_bound(), []).append((bubble, len(levels[candidate.memory_bound()])
+                                                                 if candidate.memory_bound() in levels else 0,
+                                                                 candidate))
+    kept, best_below = [], math.inf
+    for level in sorted(levels):
+        shortlist = [c for _, _, c in sorted(levels[level], key=lambda item: item[:2])[:_PER_LEVEL]]
+        squeezed = [(simulate(c.block.repeat(run_microbatches, NAME), costs).bubble_rate, i, c)
+                    for i, c in enumerate(shortlist)]
+        bubble, _, best = min(squeezed, key=lambda item: item[:2])
+        if bubble < best_below - _EPS:
+            kept.append(best)
+            best_below = bubble
+    return named + kept
+
+
+@lru_cache(maxsize=64)
+def evaluate_candidates(num_devices: int, num_microbatches: int, costs: Costs) -> tuple[Evaluated, ...]:
+    """Every candidate of v-auto for these sizes and costs, evaluated (cached: the limit only
+    selects among them)."""
+    d, m = num_devices, num_microbatches
+    exact = d * m <= _PROXY_CELLS
+    run_m = m if exact else max(2 * d, _PROXY_RUN_CELLS // d)
+    candidates: list[Candidate] = _screened_blocks(d, costs, run_m)
+    candidates += [GreedyCandidate(d, cap) for cap in greedy_caps(d)]
+    out = []
+    for candidate in candidates:
+        schedule = candidate.build(run_m, costs)
+        result = simulate(schedule, costs)
+        peak = result.peak_memory_max if exact else candidate.memory_bound()
+        out.append(Evaluated(candidate, peak, result.bubble_rate, exact, schedule if exact else None))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- the public entry points
+
+
+def _check_limit(memory_limit) -> None:
+    if memory_limit is None:
+        raise ScheduleError("v-auto needs --memory-limit X: the activation memory as a fraction of 1F1B's peak, "
+                            "0 < X <= 1 (e.g. --memory-limit 0.5)")
+    if not 0 < memory_limit <= 1:
+        raise ScheduleError(f"--memory-limit must be in (0, 1] (a fraction of 1F1B's peak activation memory); "
+                            f"got {memory_limit:g}")
+
+
+def lowest_reachable_limit(num_devices: int, num_microbatches: int, costs: Costs = Costs()) -> float:
+    """The smallest --memory-limit (fraction of 1F1B's peak) that v-auto can satisfy."""
+    evaluated = evaluate_candidates(num_devices, num_microbatches, costs)
+    return min(e.peak for e in evaluated) / num_devices
+
+
+def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: float) -> Evaluated:
+    """The lowest-bubble candidate whose peak fits ``memory_limit * num_devices`` units.
+
+    Ties go to the lower peak, then to the earlier candidate, so the choice is deterministic.
+    """
+    _check_limit(memory_limit)
+    evaluated = evaluate_candidates(num_devices, num_microbatches, costs)
+    budget = memory_limit * num_devices + _EPS
+    fitting = [(e.bubble, e.peak, i) for i, e in enumerate(evaluated) if e.peak <= budget]
+    if not fitting:
+        lowest = min(e.peak for e in evaluated) / num_devices
+        raise ScheduleError(
+            f"--memory-limit {memory_limit:g} is below what v-auto reaches on {num_devices} devices with "
+            f"{num_microbatches} microbatches; the lowest reachable is {math.ceil(lowest * 1000) / 1000:g} "
+            f"(x 1F1B's peak): raise --memory-limit to at least that"
+        )
+    return evaluated[min(fitting)[2]]
+
+
+@lru_cache(maxsize=64)
+def _chosen_schedule(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: float):
+    chosen = choose(num_devices, num_microbatches, costs, memory_limit)
+    return chosen, chosen.schedule or chosen.candidate.build(num_microbatches, costs)
+
+
+def v_auto(num_devices: int, num_microbatches: int, costs: Costs = Costs(), memory_limit: float | None = None) -> Schedule:
+    """The lowest-bubble V schedule whose activation memory fits ``memory_limit`` x 1F1B's peak.
+
+    Cached by (d, m, costs, limit); each call returns its own ``meta`` dict.
+    """
+    _check_limit(memory_limit)
+    chosen, schedule = _chosen_schedule(num_devices, num_microbatches, costs, memory_limit)
+    meta = {
+        "memory_limit": memory_limit,
+        "memory_limit_units": memory_limit * num_devices,
+        "candidate": chosen.candidate.label,
+        "exact_search": chosen.exact,
+    }
+    if isinstance(chosen.candidate, BlockCandidate):
+        block = chosen.candidate.block
+        meta["interval"] = block.interval
+        meta["offsets"] = {f"{kind.value}{stage}.0": block.offsets[(kind, stage)]
+                           for stage in range(block.placement.num_stages) for kind in Kind}
+    else:
+        meta["greedy_cap_units"] = chosen.candidate.cap
+    return dataclasses.replace(schedule, name=NAME, meta=meta)
