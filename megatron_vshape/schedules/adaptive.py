@@ -13,7 +13,7 @@ Candidates:
   Each block is repeated, squeezed and reordered by ``schedule_from_block``. V-Min and V-Half
   are members of this family and are added explicitly, so v-auto is never worse than them.
 * **Memory-capped greedy V schedules** (``zero_bubble.best_greedy``) at a fixed grid of caps,
-  plus V-ZB itself at 1F1B's memory.
+  (``_GREEDY_FRACTIONS``), the top one being V-ZB itself.
 
 The candidate set depends on ``(d, m, costs)`` only, never on the limit, so the returned bubble
 can only fall as the limit rises: every candidate that fits a lower limit fits a higher one.
@@ -37,12 +37,15 @@ from .blocks import BuildingBlock, schedule_from_block
 from .schedule import Costs, Placement, Schedule, ScheduleError
 from .simulator import simulate
 from .v_schedules import V_INTERVAL, v_half_block, v_min_block
-from .zero_bubble import best_greedy, v_zb
+from .zero_bubble import GreedyFamily, best_greedy, v_zb
 
 NAME = "v-auto"
 _GAPS = (1, 2, 3)  # slots between consecutive devices along a leg: 1 = V-Min-like, 3 = loose
 _SWITCH_STEPS = ((1, 0, 1, 0), (-1, 0, -1, 0), (0, 1, 0, 1), (0, -1, 0, -1))
-_GREEDY_FRACTIONS = (0.5, 0.625, 0.75, 0.875)  # caps of the greedy candidates, x 1F1B's peak
+# Caps of the greedy candidates, x 1F1B's peak. The low one makes any limit from 1/4 up
+# reachable (below V-Min's ~1/3); 3/4 fills the gap between V-Half's blocks and V-ZB; 1 is V-ZB.
+# (1/2 was dropped: V-Min/V-Half blocks beat it everywhere we measured, d=4..16.)
+_GREEDY_FRACTIONS = (0.25, 0.75, 1.0)
 _SCREEN_MICROBATCHES = 4  # short run that ranks blocks of one memory level
 _PER_LEVEL = 2  # blocks per memory level that get a full evaluation
 _PROXY_CELLS = 1024  # above d*m, candidates are compared on a shorter run (see evaluate_candidates)
@@ -225,20 +228,32 @@ class GreedyCandidate:
     """The best memory-capped greedy V schedule; at 1F1B's memory this is V-ZB itself."""
 
     num_devices: int
-    cap: float  # memory units, every device
+    fraction: float  # of 1F1B's peak; the cap is rounded down to half units (one V chunk's F)
+
+    @property
+    def cap(self) -> float:
+        return _cap_units(self.num_devices, self.fraction)
 
     @property
     def label(self) -> str:
-        return "v-zb" if self.cap >= self.num_devices else f"greedy cap {self.cap:g}"
+        return "v-zb" if self.fraction >= 1 else f"greedy cap {self.cap:g}"
 
     def memory_bound(self) -> float:
         return self.cap
 
     def build(self, num_microbatches: int, costs: Costs) -> Schedule:
-        d = self.num_devices
-        if self.cap >= d:
-            return v_zb(d, num_microbatches, costs)
-        return best_greedy(NAME, Placement.v_shape(d), num_microbatches, costs, [self.cap] * d)
+        if self.fraction >= 1:
+            return v_zb(self.num_devices, num_microbatches, costs)
+        # A family, not a fixed cap: best_greedy may rank its rule variants on a smaller pipeline.
+        fraction = self.fraction
+        family = GreedyFamily(NAME, Placement.v_shape, lambda d: [_cap_units(d, fraction)] * d)
+        return best_greedy(family, self.num_devices, num_microbatches, costs)
+
+
+def _cap_units(num_devices: int, fraction: float) -> float:
+    """``fraction`` x 1F1B's peak in memory units, rounded down to half units, at least 1 unit
+    (one microbatch on both chunks: the least any V schedule needs)."""
+    return max(1.0, math.floor(2 * num_devices * fraction + _EPS) / 2)
 
 
 Candidate = BlockCandidate | GreedyCandidate
@@ -261,9 +276,8 @@ class Evaluated:
 
 
 def greedy_caps(num_devices: int) -> list[float]:
-    """A fixed grid of caps (memory units): quarters of 1F1B's peak, rounded down to half units,
-    never below 1 unit (one microbatch at a time on both chunks). The top one is V-ZB."""
-    return sorted({max(1.0, math.floor(2 * num_devices * q / 4) / 2) for q in (1, 2, 3, 4)})
+    """The caps (memory units) of the greedy candidates, from ``_GREEDY_FRACTIONS``."""
+    return sorted({_cap_units(num_devices, fraction) for fraction in _GREEDY_FRACTIONS})
 
 
 def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> list[BlockCandidate]:
@@ -307,7 +321,8 @@ def evaluate_candidates(num_devices: int, num_microbatches: int, costs: Costs) -
     exact = d * m <= _PROXY_CELLS
     run_m = m if exact else max(2 * d, _PROXY_RUN_CELLS // d)
     candidates: list[Candidate] = _screened_blocks(d, costs, run_m)
-    candidates += [GreedyCandidate(d, cap) for cap in greedy_caps(d)]
+    fractions = {_cap_units(d, f): f for f in sorted(_GREEDY_FRACTIONS)}  # one per distinct cap
+    candidates += [GreedyCandidate(d, fraction) for fraction in sorted(fractions.values())]
     out = []
     for candidate in candidates:
         schedule = candidate.build(run_m, costs)

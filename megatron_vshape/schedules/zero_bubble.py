@@ -51,13 +51,15 @@ class _Variant:
     inflight_limits: tuple[int, ...] | None = None
 
 
-def _variants(placement: Placement, costs: Costs, limit_options) -> list[_Variant]:
+def _variants(family: GreedyFamily, num_devices: int, costs: Costs) -> list[_Variant]:
     """The on/off rule variants worth trying (measured over d=3..12, m=2d..4d, four cost sets).
 
     With one chunk per device the stage order and the admission modes coincide, so only the
     B-or-F-first rule, the waiting window and the in-flight limit vary. On the V placement the
     winners spread over priority and admission; RESERVE_ALL is kept because it never stalls.
     """
+    placement = family.placement(num_devices)
+    limit_options = family.limit_options(num_devices)
     windows = sorted({costs.comm, costs.comm + 0.5 * min(costs.f, costs.b, costs.w)})
     if placement.chunks_per_device == 1:
         rules = [(_b_first_deep, Admission.RESERVE_ALL), (_f_first_deep, Admission.RESERVE_ALL)]
@@ -75,70 +77,88 @@ def _variants(placement: Placement, costs: Costs, limit_options) -> list[_Varian
     return [_Variant(p, a, w, limits) for p, a in rules for w in windows for limits in limit_options]
 
 
-def best_greedy(
-    name: str,
-    placement: Placement,
-    num_microbatches: int,
-    costs: Costs,
-    memory_caps: list[float],
-    limit_options: list[tuple[int, ...] | None] = (None,),
-) -> Schedule:
+@dataclass(frozen=True)
+class GreedyFamily:
+    """A greedy schedule defined for any pipeline size: placement, caps and in-flight limits."""
+
+    name: str
+    placement: Callable[[int], Placement]
+    memory_caps: Callable[[int], list[float]]
+    limit_options: Callable[[int], list[tuple[int, ...] | None]] = lambda d: [None]
+
+
+def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
     """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory).
 
-    Large problems rank the variants on a shorter run (the steady state decides the winner)
-    and build only the best ones at full size.
+    Large problems rank the variants on a smaller pipeline (at most 16 devices, 4 microbatches
+    per device: the steady state decides the winner there too) and build only the best at
+    full size; a winner that stalls at full size hands over to the next.
     """
-    variants = _variants(placement, costs, limit_options)
-    num_devices = placement.num_devices
-    if num_devices * num_microbatches > _PROXY_CELLS:
-        proxy_m = max(2 * num_devices, _PROXY_CELLS // num_devices)
-        ranked = _rank(name, placement, proxy_m, costs, memory_caps, variants)
-        variants = [variant for _, variant, _ in ranked]
-    for variant in variants if num_devices * num_microbatches > _PROXY_CELLS else ():
-        ranked = _rank(name, placement, num_microbatches, costs, memory_caps, [variant])
-        if ranked:  # the proxy's winner can still stall at full size: then take the next one
-            return ranked[0][2]
-    ranked = _rank(name, placement, num_microbatches, costs, memory_caps, variants)
+    if num_devices * num_microbatches <= _PROXY_CELLS:
+        ranked = _rank(family, num_devices, num_microbatches, costs, _variants(family, num_devices, costs))
+    else:
+        proxy_d = min(num_devices, 16)
+        proxy = _rank(family, proxy_d, min(num_microbatches, 4 * proxy_d), costs, _variants(family, proxy_d, costs))
+        order = [index for _, index, _ in proxy]
+        full_variants = _variants(family, num_devices, costs)
+        ranked = []
+        for index in order:
+            ranked = _rank(family, num_devices, num_microbatches, costs, [full_variants[index]])
+            if ranked:
+                break
     if not ranked:
-        raise ScheduleError(f"{name}: no variant of the greedy scheduler fits the memory caps {memory_caps}")
+        raise ScheduleError(f"{family.name}: no variant of the greedy scheduler fits the memory caps")
     return ranked[0][2]
 
 
-def _rank(name, placement, num_microbatches, costs, memory_caps, variants):
+def _rank(family: GreedyFamily, num_devices, num_microbatches, costs, variants):
+    """(key, variant index, schedule) for every variant that does not stall, best first."""
+    placement = family.placement(num_devices)
+    caps = family.memory_caps(num_devices)
     ranked = []
     for index, variant in enumerate(variants):
-        config = GreedyConfig(
-            memory_caps, variant.priority, variant.inflight_limits, variant.admission, variant.wait_window
-        )
+        config = GreedyConfig(caps, variant.priority, variant.inflight_limits, variant.admission, variant.wait_window)
         try:
-            schedule = greedy_schedule(name, placement, num_microbatches, costs, config)
+            schedule = greedy_schedule(family.name, placement, num_microbatches, costs, config)
         except ScheduleError:
             continue  # this variant stalls under the caps
         result = simulate(schedule, costs)
-        ranked.append(((round(result.makespan, 9), result.peak_memory_max, index), variant, schedule))
+        ranked.append(((round(result.makespan, 9), result.peak_memory_max, index), index, schedule))
     ranked.sort(key=lambda item: item[0])
     return ranked
 
 
+def _one_f_one_b_limits(num_devices: int, extra: int = 0) -> tuple[int, ...]:
+    """1F1B's number of forwards in flight on each device (plus ``extra`` pipelines' worth)."""
+    return tuple(num_devices - device + extra * num_devices for device in range(num_devices))
+
+
+ZB_H1 = GreedyFamily(
+    "zb-h1", Placement.looped, lambda d: [float(d)] * d, lambda d: [_one_f_one_b_limits(d)]
+)
+ZB_1P = GreedyFamily(
+    "zb-1p", Placement.looped, lambda d: [float(d)] * d, lambda d: [None, _one_f_one_b_limits(d)]
+)
+ZB_2P = GreedyFamily(
+    "zb-2p",
+    Placement.looped,
+    lambda d: [2.0 * d] * d,
+    lambda d: [None, _one_f_one_b_limits(d), _one_f_one_b_limits(d, 1)],
+)
+V_ZB = GreedyFamily("v-zb", Placement.v_shape, lambda d: [float(d)] * d)
+
+
 def zb_h1(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
-    placement = Placement.looped(num_devices)
-    caps = [float(num_devices)] * num_devices
-    inflight = tuple(num_devices - device for device in range(num_devices))
-    return best_greedy("zb-h1", placement, num_microbatches, costs, caps, [inflight])
+    """ZB-H1: 1F1B's memory and in-flight count, W passes moved into the bubbles."""
+    return best_greedy(ZB_H1, num_devices, num_microbatches, costs)
 
 
 def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int) -> Schedule:
-    """ZB-1P / ZB-2P: the best greedy schedule under the memory cap. ZB-H1's 1F1B-like
-    in-flight limit is among the variants tried, so ZB-1P is never worse than ZB-H1."""
-    placement = Placement.looped(num_devices)
-    caps = [float(factor * num_devices)] * num_devices
-    limits = [None] + [
-        tuple(num_devices - device + extra * num_devices for device in range(num_devices)) for extra in range(factor)
-    ]
-    return best_greedy(f"zb-{factor}p", placement, num_microbatches, costs, caps, limits)
+    """ZB-1P / ZB-2P: memory capped at 1x / 2x 1F1B's peak. ZB-H1's in-flight limit is among
+    the variants tried, so ZB-1P is never worse than ZB-H1."""
+    return best_greedy(ZB_1P if factor == 1 else ZB_2P, num_devices, num_microbatches, costs)
 
 
 def v_zb(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
-    placement = Placement.v_shape(num_devices)
-    caps = [float(num_devices)] * num_devices
-    return best_greedy("v-zb", placement, num_microbatches, costs, caps)
+    """V-ZB: V placement, memory capped at 1F1B's peak (d units)."""
+    return best_greedy(V_ZB, num_devices, num_microbatches, costs)
