@@ -16,6 +16,7 @@ class ScheduleSpec:
     description: str
     build: Callable[..., Schedule]  # (num_devices, num_microbatches, costs, chunks) -> Schedule
     min_microbatches: Callable[[int], int] = lambda num_devices: 1
+    microbatch_rule: str = "m >= 1"  # human-readable form of the size rule, for `vshape list`
     splits_backward: bool = True  # False: every W directly follows its B (plain backward)
 
 
@@ -29,7 +30,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("interleaved-1f1b", PlacementKind.LOOPED,
                      "Megatron's virtual pipeline, --chunks model chunks per device",
                      lambda d, m, c, v: baselines.interleaved_one_f_one_b(d, m, v),
-                     min_microbatches=lambda d: d, splits_backward=False),
+                     min_microbatches=lambda d: d, splits_backward=False,
+                     microbatch_rule="m a multiple of d (Megatron's rule)"),
         ScheduleSpec("zb-h1", PlacementKind.LOOPED, "zero bubble, 1F1B's memory, 1F1B's in-flight count",
                      lambda d, m, c, v: zero_bubble.zb_h1(d, m, c)),
         ScheduleSpec("zb-1p", PlacementKind.LOOPED, "zero bubble, memory capped at 1F1B's peak",

@@ -1,0 +1,224 @@
+"""The ``vshape`` command line: list, simulate, plot, export, import, and its error handling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_vshape import cli
+from megatron_vshape.schedules import SCHEDULES, get_schedule, simulate
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def simulate_json(capsys, *argv: str) -> dict:
+    code, out, err = run(capsys, "simulate", *argv, "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1  # exactly one JSON object
+    return json.loads(lines[0])
+
+
+def test_list(capsys):
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == list(SCHEDULES)
+    for line, spec in zip(lines, SCHEDULES.values()):
+        assert spec.description in line and spec.microbatch_rule in line
+    assert "multiple of d" in next(line for line in lines if line.startswith("interleaved-1f1b"))
+
+
+def test_simulate_summary(capsys):
+    code, out, err = run(capsys, "simulate", "--schedule", "v-half", "--stages", "4", "--microbatches", "8")
+    assert code == 0 and err == ""
+    assert "validated:    ok" in out and "makespan      60" in out and "bubble rate   0.2000" in out
+    assert "peak memory   max 3" in out
+
+
+def test_simulate_grid(capsys):
+    code, out, _ = run(capsys, "simulate", "-s", "v-min", "-d", "2", "-m", "2", "--grid")
+    assert code == 0
+    grid = [line for line in out.splitlines() if line.startswith("d")]
+    assert len(grid) == 2 and grid[0].startswith("d0  F0.0")
+
+
+def test_simulate_json_matches_library(capsys):
+    data = simulate_json(capsys, "--schedule", "v-zb", "--stages", "4", "--microbatches", "8",
+                         "--costs", "f=1,b=1.1,w=0.9,comm=0.05")
+    expected = simulate(get_schedule("v-zb", 4, 8, cli.Costs.parse("f=1,b=1.1,w=0.9,comm=0.05")),
+                        cli.Costs.parse("f=1,b=1.1,w=0.9,comm=0.05"))
+    for key in ("schedule", "stages", "microbatches", "makespan", "bubble_rate", "work_per_device",
+                "peak_memory", "peak_memory_max"):
+        assert key in data
+    assert data["schedule"] == "v-zb" and data["stages"] == 4 and data["microbatches"] == 8
+    assert data["makespan"] == pytest.approx(expected.makespan)
+    assert data["bubble_rate"] == pytest.approx(expected.bubble_rate)
+    assert data["peak_memory"] == pytest.approx(list(expected.peak_memory))
+    assert len(data["peak_memory"]) == 4 and data["peak_memory_max"] == max(data["peak_memory"])
+    assert data["costs"] == {"f": 1.0, "b": 1.1, "w": 0.9, "comm": 0.05}
+    assert data["validated"] is True
+
+
+@pytest.mark.parametrize("d, m", [(2, 4), (4, 8), (8, 16), (4, 1)])
+@pytest.mark.parametrize("costs", ["f=1,b=1,w=1", "f=1,b=1.5,w=0.5"])
+def test_1f1b_bubble_via_cli(capsys, d, m, costs):
+    # 1F1B runs B+W as one backward: its bubble is the textbook (d-1)/(m+d-1) for any costs.
+    data = simulate_json(capsys, "-s", "1f1b", "-d", str(d), "-m", str(m), "--costs", costs)
+    assert data["bubble_rate"] == pytest.approx((d - 1) / (m + d - 1))
+
+
+def test_gpt_memory_model(capsys):
+    simple = simulate_json(capsys, "-s", "1f1b", "-d", "4", "-m", "8")
+    gpt = simulate_json(capsys, "-s", "1f1b", "-d", "4", "-m", "8", "--memory-model", "gpt",
+                        "--hidden", "1024", "--heads", "16", "--seq", "2048")
+    assert gpt["peak_memory_max"] <= simple["peak_memory_max"]
+    assert gpt["makespan"] == simple["makespan"]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["simulate", "-s", "nope", "-d", "4", "-m", "8"], "--schedule"),
+        (["simulate", "-s", "v-half", "-d", "4", "-m", "8", "--costs", "f=x"], "--costs"),
+        (["simulate", "-s", "v-half", "-d", "4", "-m", "8", "--costs", "q=1"], "--costs"),
+        (["simulate", "-s", "v-half", "-d", "4", "-m", "8", "--costs", "f=0"], "--costs"),
+        (["simulate", "-s", "v-half", "-d", "4"], "--microbatches"),
+        (["simulate", "-s", "v-half", "-d", "x", "-m", "8"], "--stages"),
+        (["simulate", "-s", "v-half", "-d", "1", "-m", "8"], "--stages"),
+        (["simulate", "-s", "v-half", "-d", "4", "-m", "0"], "--microbatches"),
+        (["simulate", "-s", "interleaved-1f1b", "-d", "4", "-m", "2"], "--microbatches"),
+        (["simulate", "-s", "interleaved-1f1b", "-d", "4", "-m", "8", "--chunks", "1"], "--chunks"),
+        (["simulate", "-s", "v-half", "-d", "4", "-m", "8", "--memory-model", "gpt"], "--hidden"),
+        (["simulate", "-s", "v-half", "-d", "4", "-m", "8", "--hidden", "8"], "--memory-model"),
+        (["simulate", "-s", "v-half", "-d", "4", "-m", "8", "--memory-limit", "-1"], "--memory-limit"),
+        (["export", "-s", "v-half", "-d", "4", "-m", "8", "--format", "xml"], "--format"),
+        (["plot", "-s", "v-half", "-d", "2", "-m", "2", "-o", "x.jpg"], "-o"),
+        (["bogus"], "COMMAND"),
+        ([], "COMMAND"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, flag):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("vshape: error:") and flag in lines[0]
+    assert "Traceback" not in err
+
+
+def test_memory_limit_passed_through_only_when_given(capsys, monkeypatch):
+    calls = []
+
+    def fake_get_schedule(name, num_devices, num_microbatches, costs=None, chunks=2, memory_limit=None):
+        calls.append(memory_limit)
+        return get_schedule(name, num_devices, num_microbatches)
+
+    monkeypatch.setattr(cli, "get_schedule", fake_get_schedule)
+    assert run(capsys, "simulate", "-s", "v-half", "-d", "2", "-m", "2")[0] == 0
+    assert run(capsys, "simulate", "-s", "v-half", "-d", "2", "-m", "2", "--memory-limit", "1.5")[0] == 0
+    assert calls == [None, 1.5]
+
+
+def test_memory_limit_without_support_is_a_clear_error(capsys, monkeypatch):
+    def old_get_schedule(name, num_devices, num_microbatches, costs=None, chunks=2):
+        return get_schedule(name, num_devices, num_microbatches)
+
+    monkeypatch.setattr(cli, "get_schedule", old_get_schedule)
+    code, _, err = run(capsys, "simulate", "-s", "v-half", "-d", "2", "-m", "2", "--memory-limit", "3")
+    assert code == 2 and "--memory-limit" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plot(tmp_path, capsys):
+    png, mem = tmp_path / "v.png", tmp_path / "mem.svg"
+    code, out, err = run(capsys, "plot", "-s", "v-half", "-d", "4", "-m", "8", "-o", str(png), "--memory", str(mem))
+    assert code == 0, err
+    assert png.stat().st_size > 20_000 and mem.read_text().lstrip().startswith("<?xml")
+    only_memory = tmp_path / "only.png"
+    assert run(capsys, "plot", "-s", "1f1b", "-d", "2", "-m", "3", "-o", str(only_memory), "--memory")[0] == 0
+    assert only_memory.stat().st_size > 5_000
+
+
+@pytest.mark.parametrize("name, placement", [("v-min", "v"), ("v-zb", "v"), ("interleaved-1f1b", "looped"),
+                                             ("zb-h1", "looped")])
+def test_export_import_torch_csv(tmp_path, capsys, name, placement):
+    path = tmp_path / "s.csv"
+    code, _, err = run(capsys, "export", "-s", name, "-d", "4", "-m", "8", "--format", "torch-csv", "-o", str(path))
+    assert code == 0, err
+    original = simulate_json(capsys, "-s", name, "-d", "4", "-m", "8")
+    code, out, err = run(capsys, "import", "--format", "torch-csv", str(path), "--stages", "4",
+                         "--placement", placement, "--json")
+    assert code == 0, err
+    imported = json.loads(out)
+    assert imported["schedule"] == "s"
+    for key in ("makespan", "bubble_rate", "peak_memory", "num_stages", "microbatches"):
+        assert imported[key] == original[key]
+
+
+def test_export_import_text_and_merged_csv(tmp_path, capsys):
+    text, csv = tmp_path / "v.txt", tmp_path / "v.csv"
+    assert run(capsys, "export", "-s", "v-half", "-d", "4", "-m", "8", "-f", "text", "-o", str(text))[0] == 0
+    assert run(capsys, "export", "-s", "1f1b", "-d", "4", "-m", "8", "-f", "torch-csv", "-o", str(csv))[0] == 0
+    assert "0B0" in csv.read_text() and "I" not in csv.read_text()  # 1f1b: merged by default
+    code, out, _ = run(capsys, "import", "-f", "text", str(text), "--placement", "v")
+    assert code == 0 and "validated:    ok" in out and "makespan      60" in out
+    original = simulate_json(capsys, "-s", "1f1b", "-d", "4", "-m", "8")
+    code, out, _ = run(capsys, "import", "-f", "torch-csv", str(csv), "--placement", "looped", "--json")
+    assert code == 0 and json.loads(out)["bubble_rate"] == original["bubble_rate"]
+    # Split on export, or imported as split: W is off the critical path, so the bubble shrinks.
+    assert run(capsys, "export", "-s", "1f1b", "-d", "4", "-m", "8", "-f", "torch-csv", "--no-merge-backward",
+               "-o", str(csv))[0] == 0
+    assert "0I0" in csv.read_text()
+    code, out, _ = run(capsys, "import", "-f", "torch-csv", str(csv), "--placement", "looped", "--json")
+    assert json.loads(out)["bubble_rate"] < original["bubble_rate"]
+    code, out, _ = run(capsys, "import", "-f", "torch-csv", str(csv), "--placement", "looped", "--json",
+                       "--fused-backward")
+    assert json.loads(out)["bubble_rate"] == original["bubble_rate"]
+    assert run(capsys, "export", "-s", "1f1b", "-d", "4", "-m", "8", "-f", "text", "-o", str(text))[0] == 0
+    code, out, _ = run(capsys, "import", "-f", "text", str(text), "--placement", "looped", "--json",
+                       "--fused-backward")
+    assert json.loads(out)["bubble_rate"] == original["bubble_rate"]
+
+
+def test_import_errors(tmp_path, capsys):
+    path = tmp_path / "s.csv"
+    run(capsys, "export", "-s", "v-half", "-d", "2", "-m", "2", "-f", "torch-csv", "-o", str(path))
+    for argv, needle in [
+        (["--placement", "looped"], "--placement"),
+        (["--placement", "v", "--stages", "3"], "--stages"),
+        (["--placement", "v", "--chunks", "3"], "--chunks"),
+    ]:
+        code, _, err = run(capsys, "import", "-f", "torch-csv", str(path), *argv)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    # An order that deadlocks is caught by validation: swap the two rows' stages order.
+    broken = tmp_path / "broken.csv"
+    broken.write_text("0F0,3F0,3I0,3W0,0F1,0I0,0W0,3F1,3I1,3W1,0I1,0W1\n1I0,1F0,2F0,2I0,1W0,1F1,2F1,2I1,1I1,1W1,2W0,2W1\n")
+    code, _, err = run(capsys, "import", "-f", "torch-csv", str(broken), "--placement", "v")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "import", "-f", "torch-csv", str(tmp_path / "missing.csv"), "--placement", "v")
+    assert code == 2 and "missing.csv" in err
+
+
+@pytest.mark.parametrize("fmt", ["chrome-trace", "grid", "json", "text", "torch-csv"])
+def test_export_to_stdout(capsys, fmt):
+    code, out, _ = run(capsys, "export", "-s", "v-min", "-d", "2", "-m", "3", "-f", fmt)
+    assert code == 0 and out.strip()
+    if fmt in ("chrome-trace", "json"):
+        json.loads(out)
+
+
+def test_console_script_module_entry():
+    proc = subprocess.run([sys.executable, "-m", "megatron_vshape.cli", "simulate", "-s", "1f1b", "-d", "2",
+                           "-m", "2", "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(proc.stdout)["schedule"] == "1f1b"
+    proc = subprocess.run([sys.executable, "-m", "megatron_vshape.cli", "simulate", "-s", "??", "-d", "2",
+                           "-m", "2"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
