@@ -280,6 +280,24 @@ def greedy_caps(num_devices: int) -> list[float]:
     return sorted({_cap_units(num_devices, fraction) for fraction in _GREEDY_FRACTIONS})
 
 
+@lru_cache(maxsize=32)
+def _shortlists(num_devices: int, costs: Costs, screen_microbatches: int) -> tuple[tuple[float, tuple], ...]:
+    """Stage 1 of the screen (see ``_screened_blocks``): per memory level, ascending, the
+    ``_PER_LEVEL`` enumerated blocks with the lowest bubble on a short repeated-and-squeezed run."""
+    levels: dict[float, list] = {}
+    for label, block in candidate_blocks(num_devices):
+        if label in ("v-min", "v-half"):
+            continue
+        candidate = BlockCandidate(label, block)
+        bubble = simulate(block.repeat(screen_microbatches, NAME), costs).bubble_rate
+        level = levels.setdefault(candidate.memory_bound(), [])
+        level.append((bubble, len(level), candidate))
+    return tuple(
+        (bound, tuple(c for _, _, c in sorted(levels[bound], key=lambda item: item[:2])[:_PER_LEVEL]))
+        for bound in sorted(levels)
+    )
+
+
 def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> list[BlockCandidate]:
     """V-Min, V-Half, and the enumerated blocks worth a full evaluation.
 
@@ -290,20 +308,9 @@ def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> l
     size (the reorder can only improve it) picks one block per level, and a level is kept only if
     it beats every lower level: more memory must buy a lower bubble.
     """
-    named, levels = [], {}
-    screen_m = min(run_microbatches, _SCREEN_MICROBATCHES)
-    for label, block in candidate_blocks(num_devices):
-        candidate = BlockCandidate(label, block)
-        if label in ("v-min", "v-half"):
-            named.append(candidate)
-            continue
-        bubble = simulate(block.repeat(screen_m, NAME), costs).bubble_rate
-        levels.setdefault(candidate.memory_bound(), []).append((bubble, len(levels[candidate.memory_bound()])
-                                                                 if candidate.memory_bound() in levels else 0,
-                                                                 candidate))
+    named = [BlockCandidate(label, block) for label, block in candidate_blocks(num_devices)[:2]]
     kept, best_below = [], math.inf
-    for level in sorted(levels):
-        shortlist = [c for _, _, c in sorted(levels[level], key=lambda item: item[:2])[:_PER_LEVEL]]
+    for _, shortlist in _shortlists(num_devices, costs, min(run_microbatches, _SCREEN_MICROBATCHES)):
         squeezed = [(simulate(c.block.repeat(run_microbatches, NAME), costs).bubble_rate, i, c)
                     for i, c in enumerate(shortlist)]
         bubble, _, best = min(squeezed, key=lambda item: item[:2])
@@ -313,23 +320,37 @@ def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> l
     return named + kept
 
 
+def _run_size(num_devices: int, num_microbatches: int) -> tuple[bool, int]:
+    """(exact, microbatches of the evaluation run): exact up to ``_PROXY_CELLS``, else a shorter run."""
+    if num_devices * num_microbatches <= _PROXY_CELLS:
+        return True, num_microbatches
+    return False, max(2 * num_devices, _PROXY_RUN_CELLS // num_devices)
+
+
 @lru_cache(maxsize=64)
-def evaluate_candidates(num_devices: int, num_microbatches: int, costs: Costs) -> tuple[Evaluated, ...]:
-    """Every candidate of v-auto for these sizes and costs, evaluated (cached: the limit only
-    selects among them)."""
-    d, m = num_devices, num_microbatches
-    exact = d * m <= _PROXY_CELLS
-    run_m = m if exact else max(2 * d, _PROXY_RUN_CELLS // d)
-    candidates: list[Candidate] = _screened_blocks(d, costs, run_m)
+def candidates(num_devices: int, num_microbatches: int, costs: Costs) -> tuple[Candidate, ...]:
+    """v-auto's candidate set for these sizes and costs (it never depends on the limit)."""
+    d = num_devices
+    _, run_m = _run_size(d, num_microbatches)
     fractions = {_cap_units(d, f): f for f in sorted(_GREEDY_FRACTIONS)}  # one per distinct cap
-    candidates += [GreedyCandidate(d, fraction) for fraction in sorted(fractions.values())]
-    out = []
-    for candidate in candidates:
-        schedule = candidate.build(run_m, costs)
-        result = simulate(schedule, costs)
-        peak = result.peak_memory_max if exact else candidate.memory_bound()
-        out.append(Evaluated(candidate, peak, result.bubble_rate, exact, schedule if exact else None))
-    return tuple(out)
+    greedy = [GreedyCandidate(d, fraction) for fraction in sorted(fractions.values())]
+    return tuple(_screened_blocks(d, costs, run_m) + greedy)
+
+
+@lru_cache(maxsize=1024)
+def _evaluate(num_devices: int, num_microbatches: int, costs: Costs, index: int) -> Evaluated:
+    candidate = candidates(num_devices, num_microbatches, costs)[index]
+    exact, run_m = _run_size(num_devices, num_microbatches)
+    schedule = candidate.build(run_m, costs)
+    result = simulate(schedule, costs)
+    peak = result.peak_memory_max if exact else candidate.memory_bound()
+    return Evaluated(candidate, peak, result.bubble_rate, exact, schedule if exact else None)
+
+
+def evaluate_candidates(num_devices: int, num_microbatches: int, costs: Costs) -> tuple[Evaluated, ...]:
+    """Every candidate of v-auto for these sizes and costs, evaluated (cached)."""
+    count = len(candidates(num_devices, num_microbatches, costs))
+    return tuple(_evaluate(num_devices, num_microbatches, costs, i) for i in range(count))
 
 
 # ---------------------------------------------------------------- the public entry points
@@ -346,27 +367,37 @@ def _check_limit(memory_limit) -> None:
 
 def lowest_reachable_limit(num_devices: int, num_microbatches: int, costs: Costs = Costs()) -> float:
     """The smallest --memory-limit (fraction of 1F1B's peak) that v-auto can satisfy."""
-    evaluated = evaluate_candidates(num_devices, num_microbatches, costs)
-    return min(e.peak for e in evaluated) / num_devices
+    return min(peak for _, peak in _peaks(num_devices, num_microbatches, costs)) / num_devices
+
+
+def _peaks(num_devices: int, num_microbatches: int, costs: Costs) -> list[tuple[int, float]]:
+    """(index, peak) of every candidate. An exact search measures the peaks (which needs every
+    candidate built); otherwise the memory bounds are the peaks and nothing is built yet."""
+    exact, _ = _run_size(num_devices, num_microbatches)
+    if exact:
+        return [(i, e.peak) for i, e in enumerate(evaluate_candidates(num_devices, num_microbatches, costs))]
+    return [(i, c.memory_bound()) for i, c in enumerate(candidates(num_devices, num_microbatches, costs))]
 
 
 def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: float) -> Evaluated:
     """The lowest-bubble candidate whose peak fits ``memory_limit * num_devices`` units.
 
     Ties go to the lower peak, then to the earlier candidate, so the choice is deterministic.
+    Only candidates that fit are evaluated (all of them in an exact search, see ``_peaks``).
     """
     _check_limit(memory_limit)
-    evaluated = evaluate_candidates(num_devices, num_microbatches, costs)
+    peaks = _peaks(num_devices, num_microbatches, costs)
     budget = memory_limit * num_devices + _EPS
-    fitting = [(e.bubble, e.peak, i) for i, e in enumerate(evaluated) if e.peak <= budget]
+    fitting = [i for i, peak in peaks if peak <= budget]
     if not fitting:
-        lowest = min(e.peak for e in evaluated) / num_devices
+        lowest = min(peak for _, peak in peaks) / num_devices
         raise ScheduleError(
             f"--memory-limit {memory_limit:g} is below what v-auto reaches on {num_devices} devices with "
             f"{num_microbatches} microbatches; the lowest reachable is {math.ceil(lowest * 1000) / 1000:g} "
             f"(x 1F1B's peak): raise --memory-limit to at least that"
         )
-    return evaluated[min(fitting)[2]]
+    evaluated = {i: _evaluate(num_devices, num_microbatches, costs, i) for i in fitting}
+    return evaluated[min(fitting, key=lambda i: (evaluated[i].bubble, evaluated[i].peak, i))]
 
 
 @lru_cache(maxsize=64)

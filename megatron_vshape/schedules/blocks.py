@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .actions import Action, Kind
-from .greedy import Admission, GreedyConfig, greedy_schedule
+from .reorder import fill_idle
 from .schedule import Costs, Placement, Schedule, ScheduleError
 from .simulator import simulate
 
@@ -163,21 +163,7 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
     on any device, and never a longer makespan under ``costs`` than the plain squeeze."""
     repeated = block.repeat(num_microbatches, name)
     squeezed = simulate(repeated, costs)
-    position = {a: i for program in repeated.programs for i, a in enumerate(program)}
-    best, best_makespan = repeated, squeezed.makespan
-    for admission in Admission:
-        config = GreedyConfig(
-            memory_caps=list(squeezed.peak_memory),
-            priority=lambda a: (position[a],),
-            admission=admission,
-            wait_window=costs.comm,
-        )
-        try:
-            reordered = greedy_schedule(name, block.placement, num_microbatches, costs, config)
-        except ScheduleError:
-            continue  # the caps made the list scheduler stall: keep what we have
-        result = simulate(reordered, costs)
-        fits = all(new <= old + 1e-9 for new, old in zip(result.peak_memory, squeezed.peak_memory))
-        if fits and result.makespan < best_makespan - 1e-9:
-            best, best_makespan = reordered, result.makespan
-    return best
+    reordered = fill_idle(repeated, costs, list(squeezed.peak_memory), lookahead=2 * block.placement.num_devices)
+    result = simulate(reordered, costs)
+    fits = all(new <= old + 1e-9 for new, old in zip(result.peak_memory, squeezed.peak_memory))
+    return reordered if fits and result.makespan < squeezed.makespan - 1e-9 else repeated
