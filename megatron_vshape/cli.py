@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -195,8 +194,6 @@ def _build(args) -> Schedule:
     if args.memory_limit is not None:
         if args.memory_limit <= 0:
             raise UsageError(f"--memory-limit: must be > 0; got {args.memory_limit}")
-        if "memory_limit" not in inspect.signature(get_schedule).parameters:
-            raise UsageError("--memory-limit is not supported by this version (get_schedule takes no memory_limit)")
         kwargs["memory_limit"] = args.memory_limit
     return get_schedule(args.schedule, args.stages, args.microbatches, **kwargs)
 
@@ -216,6 +213,8 @@ def _report(result, args) -> None:
     print(f"schedule      {schedule.name} ({schedule.placement.kind.value} placement, "
           f"{schedule.num_stages} stages on {schedule.num_devices} devices{fused})")
     print(f"microbatches  {schedule.num_microbatches}")
+    if "candidate" in schedule.meta:  # v-auto: which building block / greedy cap it chose
+        print(f"chosen        {schedule.meta['candidate']}")
     print(f"costs         f={costs.f:g} b={costs.b:g} w={costs.w:g} comm={costs.comm:g}")
     print(f"makespan      {result.makespan:g}   (work per device {result.work_per_device:g})")
     print(f"bubble rate   {result.bubble_rate:.4f}   ({result.bubble_rate:.1%})")

@@ -39,8 +39,10 @@ def test_list(capsys):
 def test_simulate_summary(capsys):
     code, out, err = run(capsys, "simulate", "--schedule", "v-half", "--stages", "4", "--microbatches", "8")
     assert code == 0 and err == ""
-    assert "validated:    ok" in out and "makespan      60" in out and "bubble rate   0.2000" in out
-    assert "peak memory   max 3" in out
+    expected = simulate(get_schedule("v-half", 4, 8))
+    assert "validated:    ok" in out and f"makespan      {expected.makespan:g}" in out
+    assert f"bubble rate   {expected.bubble_rate:.4f}" in out
+    assert f"peak memory   max {expected.peak_memory_max:g}" in out
 
 
 def test_simulate_grid(capsys):
@@ -124,17 +126,16 @@ def test_memory_limit_passed_through_only_when_given(capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "get_schedule", fake_get_schedule)
     assert run(capsys, "simulate", "-s", "v-half", "-d", "2", "-m", "2")[0] == 0
-    assert run(capsys, "simulate", "-s", "v-half", "-d", "2", "-m", "2", "--memory-limit", "1.5")[0] == 0
-    assert calls == [None, 1.5]
+    assert run(capsys, "simulate", "-s", "v-half", "-d", "2", "-m", "2", "--memory-limit", "0.5")[0] == 0
+    assert calls == [None, 0.5]
 
 
-def test_memory_limit_without_support_is_a_clear_error(capsys, monkeypatch):
-    def old_get_schedule(name, num_devices, num_microbatches, costs=None, chunks=2):
-        return get_schedule(name, num_devices, num_microbatches)
-
-    monkeypatch.setattr(cli, "get_schedule", old_get_schedule)
-    code, _, err = run(capsys, "simulate", "-s", "v-half", "-d", "2", "-m", "2", "--memory-limit", "3")
-    assert code == 2 and "--memory-limit" in err and len(err.strip().splitlines()) == 1
+def test_memory_limit_reaches_v_auto(capsys):
+    code, out, err = run(capsys, "simulate", "-s", "v-auto", "-d", "4", "-m", "8", "--memory-limit", "0.5", "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak_memory_max"] <= 0.5 * 4
+    code, _, err = run(capsys, "simulate", "-s", "v-half", "-d", "4", "-m", "8", "--memory-limit", "0.5")
+    assert code == 2 and "only applies to v-auto" in err
 
 
 def test_plot(tmp_path, capsys):
@@ -169,7 +170,8 @@ def test_export_import_text_and_merged_csv(tmp_path, capsys):
     assert run(capsys, "export", "-s", "1f1b", "-d", "4", "-m", "8", "-f", "torch-csv", "-o", str(csv))[0] == 0
     assert "0B0" in csv.read_text() and "I" not in csv.read_text()  # 1f1b: merged by default
     code, out, _ = run(capsys, "import", "-f", "text", str(text), "--placement", "v")
-    assert code == 0 and "validated:    ok" in out and "makespan      60" in out
+    expected = simulate(get_schedule("v-half", 4, 8))
+    assert code == 0 and "validated:    ok" in out and f"makespan      {expected.makespan:g}" in out
     original = simulate_json(capsys, "-s", "1f1b", "-d", "4", "-m", "8")
     code, out, _ = run(capsys, "import", "-f", "torch-csv", str(csv), "--placement", "looped", "--json")
     assert code == 0 and json.loads(out)["bubble_rate"] == original["bubble_rate"]

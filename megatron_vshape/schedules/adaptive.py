@@ -12,16 +12,20 @@ Candidates:
   interval (6 slots). W passes go into the free slots after their B, as in ``blocks.fill_w``.
   Each block is repeated, squeezed and reordered by ``schedule_from_block``. V-Min and V-Half
   are members of this family and are added explicitly, so v-auto is never worse than them.
-* **Memory-capped greedy V schedules** (``zero_bubble.best_greedy``) at a fixed grid of caps,
+* **Memory-capped greedy V schedules** (``zero_bubble.best_greedy``) at a fixed grid of caps
   (``_GREEDY_FRACTIONS``), the top one being V-ZB itself.
 
 The candidate set depends on ``(d, m, costs)`` only, never on the limit, so the returned bubble
 can only fall as the limit rises: every candidate that fits a lower limit fits a higher one.
 
-Enumerating blocks is cheap; evaluating one is a full simulation. Blocks are therefore screened
-on a short run (``_SCREEN_MICROBATCHES``) and only the best few per memory level are evaluated.
-Above ``_PROXY_CELLS`` (devices x microbatches) the finalists are compared on a shorter run and
-only the winner is built at full size, which keeps start-up time bounded.
+Enumerating blocks is cheap; evaluating one means repeat, squeeze and reorder. Blocks are
+therefore screened (``_screened_blocks``) and only a few per memory level are evaluated.
+
+Up to ``_PROXY_CELLS`` (devices x microbatches) the search is exact: every candidate is built at
+the requested size and its measured peak and bubble decide. Above it, candidates are compared on a
+shorter run (blocks without the reorder), a candidate fits when its memory bound does (the full-size schedule never exceeds
+it), only candidates that fit are evaluated, and only the winner is built at full size. There,
+monotonicity holds for the short-run bubbles the choice is made on.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .v_schedules import V_INTERVAL, v_half_block, v_min_block
 from .zero_bubble import GreedyFamily, best_greedy, v_zb
 
 NAME = "v-auto"
+DEFAULT_LIMIT = 1.0  # x 1F1B's peak, when no --memory-limit is given
 _GAPS = (1, 2, 3)  # slots between consecutive devices along a leg: 1 = V-Min-like, 3 = loose
 _SWITCH_STEPS = ((1, 0, 1, 0), (-1, 0, -1, 0), (0, 1, 0, 1), (0, -1, 0, -1))
 # Caps of the greedy candidates, x 1F1B's peak. The low one makes any limit from 1/4 up
@@ -47,7 +52,11 @@ _SWITCH_STEPS = ((1, 0, 1, 0), (-1, 0, -1, 0), (0, 1, 0, 1), (0, -1, 0, -1))
 # (1/2 was dropped: V-Min/V-Half blocks beat it everywhere we measured, d=4..16.)
 _GREEDY_FRACTIONS = (0.25, 0.75, 1.0)
 _SCREEN_MICROBATCHES = 4  # short run that ranks blocks of one memory level
-_PER_LEVEL = 2  # blocks per memory level that get a full evaluation
+_PER_LEVEL = 2  # blocks per memory level that go to stage 2 of the screen
+# Stage 2 keeps a memory level while its squeezed bubble is at most this much above the best lower
+# level's: the reorder gains more where memory is spare (d=16: up to 0.025), so a strict Pareto
+# cut would drop levels that end up best; 0.02 keeps twice the blocks for little more gain.
+_STAGE2_SLACK = 0.01
 _PROXY_CELLS = 1024  # above d*m, candidates are compared on a shorter run (see evaluate_candidates)
 _PROXY_RUN_CELLS = 512  # ... of max(2d, _PROXY_RUN_CELLS // d) microbatches
 _EPS = 1e-9
@@ -184,43 +193,56 @@ def _order_key(block: BuildingBlock) -> tuple:
     return tuple(key)
 
 
-@lru_cache(maxsize=32)
-def candidate_blocks(num_devices: int) -> tuple[tuple[str, BuildingBlock], ...]:
-    """Distinct collision-free blocks whose steady peak fits 1F1B's memory, with labels.
-
-    V-Min and V-Half come first (under their own names), then the enumerated family.
-    """
-    placement = Placement.v_shape(num_devices)
-    blocks = [("v-min", v_min_block(num_devices)), ("v-half", v_half_block(num_devices))]
-    seen = {_order_key(block) for _, block in blocks}
-    for legs in _leg_patterns(num_devices):
-        for joins in _collision_free_joins(legs):
-            pattern = GapPattern(*legs, joins)
-            block = _block(placement, pattern.starts())
-            if max(block.steady_peak()) > num_devices + _EPS:
-                continue  # more memory than 1F1B: never admissible (limits are <= 1)
-            key = _order_key(block)
-            if key not in seen:
-                seen.add(key)
-                blocks.append((pattern.label(), block))
-    return tuple(blocks)
-
-
-# ---------------------------------------------------------------- candidates and their evaluation
-
-
 @dataclass(frozen=True)
 class BlockCandidate:
     """A building block, repeated, squeezed and reordered under the costs."""
 
     label: str
     block: BuildingBlock
+    bound: float  # steady peak of the block, memory units, worst device
 
     def memory_bound(self) -> float:
-        return max(self.block.steady_peak())
+        return self.bound
 
     def build(self, num_microbatches: int, costs: Costs) -> Schedule:
         return schedule_from_block(self.block, num_microbatches, costs, NAME)
+
+    def short_run_bubble(self, num_microbatches: int, costs: Costs) -> float:
+        """Bubble of the repeated, squeezed block without the reorder: the reorder only touches
+        warm-up and cool-down, whose share shrinks on long runs, and it costs several
+        list-scheduler runs."""
+        return simulate(self.block.repeat(num_microbatches, NAME), costs).bubble_rate
+
+
+@lru_cache(maxsize=32)
+def candidate_blocks(num_devices: int) -> tuple[BlockCandidate, ...]:
+    """Distinct collision-free blocks whose steady peak fits 1F1B's memory.
+
+    V-Min and V-Half come first (under their own names), then the enumerated family. Blocks
+    that repeat into the same programs are kept once (the peak, too, follows from the order).
+    """
+    placement = Placement.v_shape(num_devices)
+    blocks = [_with_bound("v-min", v_min_block(num_devices)), _with_bound("v-half", v_half_block(num_devices))]
+    seen = {_order_key(c.block) for c in blocks}
+    for legs in _leg_patterns(num_devices):
+        for joins in _collision_free_joins(legs):
+            pattern = GapPattern(*legs, joins)
+            block = _block(placement, pattern.starts())
+            key = _order_key(block)
+            if key in seen:
+                continue
+            seen.add(key)
+            candidate = _with_bound(pattern.label(), block)
+            if candidate.bound <= num_devices + _EPS:  # more than 1F1B's memory never fits a limit <= 1
+                blocks.append(candidate)
+    return tuple(blocks)
+
+
+def _with_bound(label: str, block: BuildingBlock) -> BlockCandidate:
+    return BlockCandidate(label, block, max(block.steady_peak()))
+
+
+# ---------------------------------------------------------------- candidates and their evaluation
 
 
 @dataclass(frozen=True)
@@ -248,6 +270,9 @@ class GreedyCandidate:
         fraction = self.fraction
         family = GreedyFamily(NAME, Placement.v_shape, lambda d: [_cap_units(d, fraction)] * d)
         return best_greedy(family, self.num_devices, num_microbatches, costs)
+
+    def short_run_bubble(self, num_microbatches: int, costs: Costs) -> float:
+        return simulate(self.build(num_microbatches, costs), costs).bubble_rate
 
 
 def _cap_units(num_devices: int, fraction: float) -> float:
@@ -285,11 +310,8 @@ def _shortlists(num_devices: int, costs: Costs, screen_microbatches: int) -> tup
     """Stage 1 of the screen (see ``_screened_blocks``): per memory level, ascending, the
     ``_PER_LEVEL`` enumerated blocks with the lowest bubble on a short repeated-and-squeezed run."""
     levels: dict[float, list] = {}
-    for label, block in candidate_blocks(num_devices):
-        if label in ("v-min", "v-half"):
-            continue
-        candidate = BlockCandidate(label, block)
-        bubble = simulate(block.repeat(screen_microbatches, NAME), costs).bubble_rate
+    for candidate in candidate_blocks(num_devices)[2:]:  # past V-Min and V-Half
+        bubble = simulate(candidate.block.repeat(screen_microbatches, NAME), costs).bubble_rate
         level = levels.setdefault(candidate.memory_bound(), [])
         level.append((bubble, len(level), candidate))
     return tuple(
@@ -306,17 +328,17 @@ def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> l
     squeezed) ranks blocks of equal memory well (measured at d=8: each level's best ends up in
     the top two); keep ``_PER_LEVEL`` per memory level. Stage 2: the squeezed run at the evaluation
     size (the reorder can only improve it) picks one block per level, and a level is kept only if
-    it beats every lower level: more memory must buy a lower bubble.
+    it is within ``_STAGE2_SLACK`` of every lower level: more memory must buy a lower bubble.
     """
-    named = [BlockCandidate(label, block) for label, block in candidate_blocks(num_devices)[:2]]
+    named = list(candidate_blocks(num_devices)[:2])
     kept, best_below = [], math.inf
     for _, shortlist in _shortlists(num_devices, costs, min(run_microbatches, _SCREEN_MICROBATCHES)):
         squeezed = [(simulate(c.block.repeat(run_microbatches, NAME), costs).bubble_rate, i, c)
                     for i, c in enumerate(shortlist)]
         bubble, _, best = min(squeezed, key=lambda item: item[:2])
-        if bubble < best_below - _EPS:
+        if bubble < best_below + _STAGE2_SLACK:
             kept.append(best)
-            best_below = bubble
+        best_below = min(best_below, bubble)
     return named + kept
 
 
@@ -341,10 +363,14 @@ def candidates(num_devices: int, num_microbatches: int, costs: Costs) -> tuple[C
 def _evaluate(num_devices: int, num_microbatches: int, costs: Costs, index: int) -> Evaluated:
     candidate = candidates(num_devices, num_microbatches, costs)[index]
     exact, run_m = _run_size(num_devices, num_microbatches)
-    schedule = candidate.build(run_m, costs)
+    try:
+        if not exact:
+            return Evaluated(candidate, candidate.memory_bound(), candidate.short_run_bubble(run_m, costs), exact)
+        schedule = candidate.build(run_m, costs)
+    except ScheduleError:  # e.g. every greedy variant stalls under this cap: never choose it
+        return Evaluated(candidate, math.inf, math.inf, exact)
     result = simulate(schedule, costs)
-    peak = result.peak_memory_max if exact else candidate.memory_bound()
-    return Evaluated(candidate, peak, result.bubble_rate, exact, schedule if exact else None)
+    return Evaluated(candidate, result.peak_memory_max, result.bubble_rate, exact, schedule)
 
 
 def evaluate_candidates(num_devices: int, num_microbatches: int, costs: Costs) -> tuple[Evaluated, ...]:
@@ -356,10 +382,7 @@ def evaluate_candidates(num_devices: int, num_microbatches: int, costs: Costs) -
 # ---------------------------------------------------------------- the public entry points
 
 
-def _check_limit(memory_limit) -> None:
-    if memory_limit is None:
-        raise ScheduleError("v-auto needs --memory-limit X: the activation memory as a fraction of 1F1B's peak, "
-                            "0 < X <= 1 (e.g. --memory-limit 0.5)")
+def _check_limit(memory_limit: float) -> None:
     if not 0 < memory_limit <= 1:
         raise ScheduleError(f"--memory-limit must be in (0, 1] (a fraction of 1F1B's peak activation memory); "
                             f"got {memory_limit:g}")
@@ -397,7 +420,11 @@ def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: 
             f"(x 1F1B's peak): raise --memory-limit to at least that"
         )
     evaluated = {i: _evaluate(num_devices, num_microbatches, costs, i) for i in fitting}
-    return evaluated[min(fitting, key=lambda i: (evaluated[i].bubble, evaluated[i].peak, i))]
+    best = min(fitting, key=lambda i: (evaluated[i].bubble, evaluated[i].peak, i))
+    if math.isinf(evaluated[best].bubble):
+        raise ScheduleError(f"v-auto: no candidate schedule could be built within --memory-limit {memory_limit:g}; "
+                            f"try a higher limit")
+    return evaluated[best]
 
 
 @lru_cache(maxsize=64)
@@ -409,8 +436,11 @@ def _chosen_schedule(num_devices: int, num_microbatches: int, costs: Costs, memo
 def v_auto(num_devices: int, num_microbatches: int, costs: Costs = Costs(), memory_limit: float | None = None) -> Schedule:
     """The lowest-bubble V schedule whose activation memory fits ``memory_limit`` x 1F1B's peak.
 
-    Cached by (d, m, costs, limit); each call returns its own ``meta`` dict.
+    Without a limit, 1F1B's own peak (1.0): the best V schedule that needs no more memory than
+    Megatron's default. Cached by (d, m, costs, limit); each call returns its own ``meta`` dict.
     """
+    if memory_limit is None:
+        memory_limit = DEFAULT_LIMIT
     _check_limit(memory_limit)
     chosen, schedule = _chosen_schedule(num_devices, num_microbatches, costs, memory_limit)
     meta = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import baselines, v_schedules, zero_bubble
+from . import adaptive, baselines, v_schedules, zero_bubble
 from .schedule import Costs, PlacementKind, Schedule, ScheduleError
 
 
@@ -17,6 +17,7 @@ class ScheduleSpec:
     build: Callable[..., Schedule]  # (num_devices, num_microbatches, costs, chunks) -> Schedule
     min_microbatches: Callable[[int], int] = lambda num_devices: 1
     microbatch_rule: str = "m >= 1"  # human-readable form of the size rule, for `vshape list`
+    takes_memory_limit: bool = False  # build() accepts memory_limit (a fraction of 1F1B's peak)
     splits_backward: bool = True  # False: every W directly follows its B (plain backward)
 
 
@@ -44,6 +45,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                      lambda d, m, c, v: v_schedules.v_half(d, m, c)),
         ScheduleSpec("v-zb", PlacementKind.V, "V placement, 1F1B's memory, near-zero bubble",
                      lambda d, m, c, v: zero_bubble.v_zb(d, m, c)),
+        ScheduleSpec("v-auto", PlacementKind.V,
+                     "V placement, lowest bubble within --memory-limit X (x 1F1B's peak; default 1)",
+                     lambda d, m, c, v, limit=None: adaptive.v_auto(d, m, c, limit),
+                     takes_memory_limit=True),
     )
 }
 
@@ -53,7 +58,12 @@ def schedule_names() -> list[str]:
 
 
 def get_schedule(
-    name: str, num_devices: int, num_microbatches: int, costs: Costs = Costs(), chunks: int = 2
+    name: str,
+    num_devices: int,
+    num_microbatches: int,
+    costs: Costs = Costs(),
+    chunks: int = 2,
+    memory_limit: float | None = None,
 ) -> Schedule:
     """Build schedule ``name`` for ``num_devices`` pipeline devices and ``num_microbatches``.
 
@@ -69,4 +79,8 @@ def get_schedule(
         raise ScheduleError(
             f"{name} with {num_devices} devices needs at least {minimum} microbatches; got {num_microbatches}"
         )
+    if memory_limit is not None and not spec.takes_memory_limit:
+        raise ScheduleError(f"--memory-limit only applies to v-auto; {name} has a fixed memory footprint")
+    if spec.takes_memory_limit:
+        return spec.build(num_devices, num_microbatches, costs, chunks, memory_limit)
     return spec.build(num_devices, num_microbatches, costs, chunks)

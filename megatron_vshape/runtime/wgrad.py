@@ -1,0 +1,343 @@
+"""B/W split of megatron-core's local linear layers, with a weight-gradient store.
+
+Zero-bubble and V schedules split a layer's backward in two: **B** computes the input gradient (what
+the previous stage waits for) and **W** computes the weight gradient later, to fill bubbles.
+
+The hook is the narrowest one megatron-core offers: the ``backward`` of its autograd function
+``LinearWithGradAccumulationAndAsyncCommunication``, which every ``ColumnParallelLinear`` and
+``RowParallelLinear`` (local spec, output layer, SequentialMLP experts) goes through.
+:func:`enable_wgrad_split` swaps that ``backward`` for a dispatcher:
+
+* outside :meth:`WeightGradStore.capture` it calls Megatron's own backward, untouched, so runs
+  without W actions give bitwise Megatron's gradients;
+* inside a capture it computes the input gradient exactly as Megatron does (same GEMM, same
+  asynchronous all-reduce, or reduce-scatter under sequence parallelism), returns ``None`` for the
+  weight, and pushes a :class:`_LinearWeightGrad` task under the capture's key. ``store.run(key)``
+  (the W action) runs those tasks.
+
+What stays in B (not deferred): bias gradients (a cheap reduction; RowParallelLinear and
+skip-bias-add layers add their bias outside the function anyway), norms, embeddings, attention
+softmax, activations, and layers Megatron already defers itself (the output layer under
+``defer_embedding_wgrad_compute``, whose weight gradient Megatron computes in finalize_model_grads).
+
+Memory and communication: a task keeps the layer's *local* input (not all-gathered) and its output
+gradient until W. Under sequence parallelism W all-gathers the input again; Megatron's own backward
+does that all-gather for the weight gradient only, so the split moves it from B to W and adds no
+communication. Tensor-parallel peers run the same program, so they reach the same W together.
+
+Gradient accumulation: a W task adds into ``weight.main_grad`` when the weight has one (megatron
+DDP; the fused CUDA kernel when ``gradient_accumulation_fusion`` is on), else into ``weight.grad``.
+Megatron DDP's per-parameter hook still fires in B, with a ``None`` gradient: harmless when
+``overlap_grad_reduce`` is off, wrong when on (it would start the bucket's reduction before W), so
+:func:`check_ddp_config` rejects that combination. A weight used twice in one backward (tied
+weights) gets two additions instead of one addition of a sum: equal up to rounding only.
+
+Limits: weights computed outside this function keep their gradient in B (legacy GroupedMLP experts,
+embeddings; Transformer Engine layers go through ``te_wgrad``); frozen weights have no W. Megatron
+FSDP and 0.19's GTP weight rematerialisation are refused with a clear error. On GPUs the capture is
+found from autograd's device threads through the context torch stashes at ``backward()``; a nested
+``backward()`` issued from inside a backward on such a thread (reentrant activation recomputation)
+would not see it, and those layers would compute their weight gradient in B: correct, not split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Key = Hashable  # the executor uses (chunk, microbatch)
+
+
+class WgradError(RuntimeError):
+    """A misuse of the B/W split (unknown key, nesting, unsupported Megatron feature...)."""
+
+
+@dataclass(frozen=True)
+class _Capture:
+    store: WeightGradStore
+    key: Key
+
+
+# The capture in progress. Scoped to the ``with store.capture(key)`` block of the thread (or asyncio
+# task) that entered it; never a process-wide store.
+_ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("vshape_wgrad_capture", default=None)
+
+
+def _current_capture() -> _Capture | None:
+    """The capture in force for the backward running now, on whichever thread runs it.
+
+    With CUDA tensors the autograd engine runs ``Function.backward`` on a per-device worker thread,
+    which does not see the caller's ContextVars. torch (2.x) stashes the caller's
+    ``contextvars.copy_context()`` in the thread-local state it hands to those workers (key
+    ``"context"``), so fall back to reading our variable from that snapshot.
+    """
+    capture = _ACTIVE.get()
+    if capture is None and _has_backward_launch_context():
+        capture = torch._C._get_obj_in_tls("context").get(_ACTIVE)
+    return capture
+
+
+def _has_backward_launch_context() -> bool:
+    is_key_in_tls = getattr(torch._C, "_is_key_in_tls", None)
+    return is_key_in_tls is not None and is_key_in_tls("context")
+
+
+class WeightGradStore:
+    """Deferred weight-gradient work of one executor, keyed by (chunk, microbatch).
+
+    ``capture(key)`` wraps the B pass of one (chunk, microbatch); ``run(key)`` is its W pass. Keys
+    are run at most once per capture; a W action for a chunk without local linear layers is a
+    no-op, not an error, because every capture registers its key even if nothing was deferred.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: dict[Key, list[Callable[[], None]]] = {}
+
+    @contextmanager
+    def capture(self, key: Key) -> Iterator[None]:
+        if not wgrad_split_enabled():
+            raise WgradError("WeightGradStore.capture() needs the split hook: call enable_wgrad_split() first")
+        if _ACTIVE.get() is not None:
+            raise WgradError(f"capture({key!r}) inside capture({_ACTIVE.get().key!r}): captures do not nest")
+        if key in self._tasks:
+            raise WgradError(f"capture({key!r}): this key's W has not run yet; run(key) before capturing it again")
+        self._tasks[key] = []
+        token = _ACTIVE.set(_Capture(self, key))
+        try:
+            yield
+        except BaseException:
+            # A B pass that failed half-way leaves no W to run.
+            del self._tasks[key]
+            raise
+        finally:
+            _ACTIVE.reset(token)
+
+    def defer(self, task: Callable[[], None]) -> None:
+        """Add weight-gradient work to the key being captured (used by the TE path)."""
+        capture = _current_capture()
+        if capture is None or capture.store is not self:
+            raise WgradError("WeightGradStore.defer() is only valid inside this store's capture(key) block")
+        self._push(capture.key, task)
+
+    def _push(self, key: Key, task: Callable[[], None]) -> None:
+        self._tasks[key].append(task)
+
+    def run(self, key: Key) -> None:
+        """The W pass of ``key``: run exactly the work its B pass deferred, in B's order."""
+        try:
+            tasks = self._tasks.pop(key)
+        except KeyError:
+            raise WgradError(f"run({key!r}): nothing captured under this key; pending keys: {self.pending()}") from None
+        for task in tasks:
+            task()
+
+    def pending(self) -> list[Key]:
+        """Keys captured and not run yet, in capture order."""
+        return list(self._tasks)
+
+    def clear(self) -> None:
+        """Drop all deferred work (e.g. after an aborted iteration); frees the tensors it holds."""
+        self._tasks.clear()
+
+
+# --- the W task -------------------------------------------------------------------------------
+
+
+@dataclass
+class _LinearWeightGrad:
+    """The weight-gradient GEMM of one linear layer for one microbatch, as Megatron would run it."""
+
+    weight: torch.nn.Parameter
+    input: torch.Tensor  # local input: under sequence parallelism, the not-yet-gathered shard
+    grad_output: torch.Tensor
+    sequence_parallel: bool
+    tp_group: Any
+    fused_main_grad: torch.Tensor | None  # set when gradient_accumulation_fusion is on
+    autocast: tuple[bool, torch.dtype | None]
+    versions: tuple[int, int] = field(init=False)  # of input and grad_output when B deferred them
+
+    def __post_init__(self) -> None:
+        self.versions = (self.input._version, self.grad_output._version)
+
+    def __call__(self) -> None:
+        if (self.input._version, self.grad_output._version) != self.versions:
+            # Autograd checks saved tensors only at B; W would silently use the changed values.
+            raise WgradError(
+                f"a linear layer's input or output gradient (shape {tuple(self.input.shape)}) was modified "
+                "in place between its B and its W: keep it intact until W (no in-place ops on it)"
+            )
+        with torch.no_grad(), _autocast_as_in_forward(*self.autocast):
+            grad_output, total_input = _layers_utils().prepare_input_tensors_for_wgrad_compute(
+                self.grad_output, self._total_input()
+            )
+            if self.fused_main_grad is not None:
+                _accumulate_fused(self.weight, self.fused_main_grad, total_input, grad_output)
+            else:
+                _accumulate(self.weight, grad_output.t().matmul(total_input))
+
+    def _total_input(self) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return self.input
+        size = list(self.input.size())
+        size[0] *= self.tp_group.size()
+        gathered = torch.empty(size, dtype=self.input.dtype, device=self.input.device)
+        _layers().dist_all_gather_func(gathered, self.input, group=self.tp_group)
+        return gathered
+
+
+def _autocast_as_in_forward(enabled: bool, dtype: torch.dtype | None):
+    # Megatron's backward runs under the forward's autocast state (custom_bwd); so does W.
+    return torch.autocast("cuda", enabled=True, dtype=dtype) if enabled else contextlib.nullcontext()
+
+
+def _accumulate(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
+    """Add as autograd + megatron DDP's hook would: main_grad.add_(grad), or into weight.grad."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad_weight)
+    elif weight.grad is None:
+        weight.grad = grad_weight
+    else:
+        weight.grad.add_(grad_weight)
+
+
+def _accumulate_fused(weight, main_grad, total_input, grad_output) -> None:
+    """Megatron's gradient-accumulation fusion: the CUDA kernel adds straight into main_grad."""
+    weight.main_grad = main_grad  # as Megatron's backward does (a layer may be reused, e.g. MTP)
+    kernel = getattr(_layers(), "fused_weight_gradient_mlp_cuda", None)
+    if kernel is None:  # no apex kernel (CPU): same sum, unfused
+        main_grad.add_(grad_output.t().matmul(total_input))
+    elif main_grad.dtype == torch.float32:
+        kernel.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    elif main_grad.dtype in (torch.float16, torch.bfloat16):
+        kernel.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+    else:
+        raise WgradError(f"gradient_accumulation_fusion: unsupported main_grad dtype {main_grad.dtype}")
+
+
+# --- the B pass ------------------------------------------------------------------------------
+
+
+def _backward_input_only(ctx, grad_output: torch.Tensor, capture: _Capture) -> tuple:
+    """Megatron's input-gradient path (GEMM + TP all-reduce / SP reduce-scatter); weight grad deferred."""
+    input, weight = ctx.saved_tensors
+    _check_splittable(ctx, weight)
+    tp_group = ctx.tp_group
+    grad_input = grad_output.matmul(weight)
+    handle = None
+    if ctx.allreduce_dgrad:
+        handle = torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)
+    if ctx.sequence_parallel:
+        full_grad_input = grad_input
+        grad_input = torch.empty(input.size(), dtype=input.dtype, device=input.device, requires_grad=False)
+        handle = _layers().dist_reduce_scatter_func(grad_input, full_grad_input, group=tp_group, async_op=True)
+    # Megatron makes grad_output contiguous once, for its weight GEMM and the bias sum; keep that one
+    # copy for both (no copy at all in the usual contiguous case).
+    grad_output = grad_output.contiguous()
+    # Queue W while the collective is in flight, as Megatron overlaps its weight GEMM with it.
+    capture.store._push(
+        capture.key,
+        _LinearWeightGrad(
+            weight=weight,
+            input=input,
+            grad_output=grad_output,
+            sequence_parallel=ctx.sequence_parallel,
+            tp_group=tp_group,
+            fused_main_grad=ctx.main_grad if ctx.gradient_accumulation_fusion else None,
+            autocast=(getattr(ctx, "_fwd_used_autocast", False), getattr(ctx, "_dtype", None)),
+        ),
+    )
+    grad_bias = _grad_bias(grad_output) if ctx.use_bias else None
+    if handle is not None:
+        handle.wait()
+    # One gradient per forward argument: 9 in megatron-core 0.16, 10 in 0.19.
+    return (grad_input, None, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+def _grad_bias(grad_output: torch.Tensor) -> torch.Tensor:
+    # Megatron sums over the 2-D [s*b, h] view made for its weight GEMM; summing the 3-D tensor
+    # over dim 0 and letting autograd reduce the batch dim would round differently.
+    if grad_output.dim() == 3:
+        grad_output = grad_output.view(-1, grad_output.shape[2])
+    return grad_output.sum(dim=0)
+
+
+def _check_splittable(ctx, weight) -> None:
+    if getattr(ctx, "gtp_remat_size", 1) > 1:
+        raise WgradError("split schedules do not support GTP weight rematerialisation (gtp_remat_size > 1)")
+    if hasattr(weight, "__fsdp_param__"):
+        raise WgradError("split schedules do not support Megatron-FSDP: use megatron DDP")
+
+
+def _defers_itself(ctx) -> bool:
+    """Megatron's defer_embedding_wgrad_compute already moves this layer's W (to finalize)."""
+    return getattr(ctx, "grad_output_buffer", None) is not None
+
+
+# --- the patch -------------------------------------------------------------------------------
+
+
+def _layers():
+    from megatron.core.tensor_parallel import layers
+
+    return layers
+
+
+def _layers_utils():
+    from megatron.core import utils
+
+    return utils
+
+
+def _make_dispatching_backward(megatron_backward: Callable) -> Callable:
+    split = _layers().custom_bwd(_backward_input_only)
+
+    def backward(ctx, grad_output):
+        capture = _current_capture()
+        if capture is None or _defers_itself(ctx):
+            return megatron_backward(ctx, grad_output)
+        return split(ctx, grad_output, capture)
+
+    backward.megatron_backward = megatron_backward  # lets disable_wgrad_split() restore it
+    return backward
+
+
+def _linear_function():
+    return _layers().LinearWithGradAccumulationAndAsyncCommunication
+
+
+def wgrad_split_enabled() -> bool:
+    return hasattr(_linear_function().backward, "megatron_backward")
+
+
+def enable_wgrad_split() -> None:
+    """Install the B/W dispatcher on megatron-core's linear autograd function (idempotent).
+
+    Without an active capture the dispatcher calls Megatron's backward unchanged.
+    """
+    function = _linear_function()
+    if not wgrad_split_enabled():
+        # Autograd looks ``backward`` up on the class at call time, so existing graphs see it too.
+        function.backward = staticmethod(_make_dispatching_backward(function.backward))
+
+
+def disable_wgrad_split() -> None:
+    """Restore Megatron's own backward (tests, or a run switching back to a fused schedule)."""
+    function = _linear_function()
+    if wgrad_split_enabled():
+        function.backward = staticmethod(function.backward.megatron_backward)
+
+
+def check_ddp_config(ddp_config, schedule_name: str = "this schedule") -> None:
+    """Reject megatron DDP settings that cannot work with deferred weight gradients."""
+    if getattr(ddp_config, "overlap_grad_reduce", False):
+        raise WgradError(
+            f"--pipeline-schedule {schedule_name} splits B and W, which --overlap-grad-reduce does not support "
+            "(DDP would reduce a bucket before W adds to it): drop --overlap-grad-reduce"
+        )
