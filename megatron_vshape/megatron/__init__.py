@@ -1,0 +1,1 @@
+"""Glue to megatron-core / megatron.training (CPU mode, argument and install hooks)."""

@@ -1,0 +1,461 @@
+"""The plugin's command-line flags and the checks on how they combine with Megatron's.
+
+Pure argparse: no torch or megatron import, so the checks run (and fail) in milliseconds on every
+rank before anything is initialised. A bad combination raises :class:`ConfigError` whose message is
+one line naming the flag and the fix; entry points turn it into ``exit(2)`` (see :func:`exit_on_error`).
+
+Flags added by :func:`add_arguments`:
+
+``--pipeline-schedule NAME``  which pipeline schedule runs; default: unset = Megatron's own behaviour.
+``--pipeline-memory-limit F``  for ``v-auto``: activation memory cap as a fraction of 1F1B's peak.
+``--cpu``                      CPU mode: gloo, torch layers, fp32; see :data:`CPU_OVERRIDES`.
+``--[no-]schedule-invariant-dropout``  reseed dropout per (seed, iteration, microbatch, layer);
+``--[no-]schedule-invariant-init``     initialise weights per (seed, global layer); both on by default
+                               with --pipeline-schedule, so every schedule computes the same losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib import metadata
+
+from ..schedules import SCHEDULES, PlacementKind
+
+# Schedules that keep Megatron's own forward_backward functions (install() does not replace them).
+MEGATRON_OWN_SCHEDULES = ("1f1b", "interleaved-1f1b")
+# The adaptive V schedule: its generator lives outside the registry until it lands there.
+AUTO_SCHEDULE = "v-auto"
+SCHEDULE_CHOICES = tuple(dict.fromkeys([*SCHEDULES, AUTO_SCHEDULE]))
+V_SCHEDULE_NAMES = tuple(n for n, s in SCHEDULES.items() if s.placement is PlacementKind.V) + (AUTO_SCHEDULE,)
+# Transformer Engine gained ``delay_wgrad_compute`` / ``backward_dw()`` (our W hook) in 2.3.
+MIN_TE_VERSION_FOR_SPLIT = (2, 3)
+
+# What --cpu always changes: CUDA-only fusions off.
+CPU_OVERRIDES = {
+    "gradient_accumulation_fusion": False,  # the fused wgrad kernel is CUDA-only
+    "no_persist_layer_norm": True,
+    "bias_gelu_fusion": False,
+    "bias_swiglu_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "cross_entropy_loss_fusion": False,
+}
+
+
+class ConfigError(ValueError):
+    """An invalid flag combination; ``str(err)`` is a single line: ``--flag: problem; fix``."""
+
+
+def _schedule_name(text: str) -> str:
+    # Normalise only; unknown names are rejected in validate() with a one-line error instead of
+    # argparse's "invalid choice", which would print Megatron's several-hundred-flag usage first.
+    return text.strip().lower().replace("_", "-")
+
+
+def _help_schedules() -> str:
+    lines = []
+    for name in SCHEDULE_CHOICES:
+        engine = "Megatron's own function" if name in MEGATRON_OWN_SCHEDULES else "megatron-vshape executor"
+        desc = SCHEDULES[name].description if name in SCHEDULES else "adaptive V schedule under --pipeline-memory-limit"
+        lines.append(f"{name} ({desc}; runs on {engine})")
+    return "; ".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the plugin's flags to ``parser`` (Megatron's ``extra_args_provider`` contract) and return it."""
+    group = parser.add_argument_group("megatron-vshape", "pipeline schedules with controllable memory")
+    group.add_argument(
+        "--pipeline-schedule", type=_schedule_name, default=None, metavar="NAME",
+        help="Pipeline schedule, one of: " + _help_schedules() + ". Default: unset, Megatron's own "
+        "1F1B (or interleaved 1F1B with virtual pipeline flags), unchanged. V schedules (v-*) place "
+        "two model chunks per rank in a V (rank i holds stages i and 2*PP-1-i) and need "
+        "--num-layers divisible by 2*PP.",
+    )
+    group.add_argument(
+        "--pipeline-memory-limit", type=float, default=None, metavar="FRACTION",
+        help="Only with --pipeline-schedule v-auto: peak activation memory allowed, as a fraction in "
+        "(0, 1] of 1F1B's peak (default 1); v-auto picks the lowest-bubble V schedule under it.",
+    )
+    group.add_argument(
+        "--cpu", action="store_true",
+        help="CPU mode: train on CPU with the gloo backend (megatron.training 0.19.x), torch layers "
+        "(--transformer-impl local), fp32, CUDA-only fusions off, --eval-iters 2 unless given. For tests "
+        "and small experiments.",
+    )
+    group.add_argument(
+        "--schedule-invariant-dropout", dest="schedule_invariant_dropout", action="store_true", default=None,
+        help="Reseed dropout at each transformer layer's forward from (seed, iteration, microbatch, "
+        "global layer), so every schedule computes the same masks and the same losses. Default: on "
+        "with --pipeline-schedule, off otherwise.",
+    )
+    group.add_argument("--no-schedule-invariant-dropout", dest="schedule_invariant_dropout", action="store_false")
+    group.add_argument(
+        "--schedule-invariant-init", dest="schedule_invariant_init", action="store_true", default=None,
+        help="Initialise each transformer layer (and the embedding and output layer) from a stream seeded "
+        "by (seed, global layer), so every pipeline placement starts from the same weights. Default: on "
+        "with --pipeline-schedule, off otherwise.",
+    )
+    group.add_argument("--no-schedule-invariant-init", dest="schedule_invariant_init", action="store_false")
+    # Mark Megatron's defaults of the flags --cpu changes as "not given": they still *are* Megatron's
+    # values (equal strings / ints), so nothing changes for code that never calls validate(), but
+    # --cpu can now pick gloo without overriding an explicit --distributed-backend (which it rejects).
+    for action in parser._actions:
+        if action.dest in CPU_DEFAULTS and action.default is not None:
+            action.default = _mark_default(action.default)
+            if action.type is not None:  # argparse runs string defaults through ``type``: keep the mark
+                action.type = _keep_mark(action.type)
+    return parser
+
+
+def _keep_mark(convert):
+    @functools.wraps(convert)
+    def typed(value):
+        result = convert(value)
+        return _mark_default(result) if isinstance(value, (DefaultStr, DefaultInt)) else result
+
+    return typed
+
+
+# Flags whose default --cpu changes, unless given: dest -> value under --cpu.
+CPU_DEFAULTS = {
+    "distributed_backend": "gloo",
+    "transformer_impl": "local",
+    "eval_iters": 2,  # a tiny CPU run should not spend most of its time in 2 x 100 evaluation steps
+}
+
+
+class DefaultStr(str):
+    """A string default that was not given on the command line."""
+
+
+class DefaultInt(int):
+    """An int default that was not given on the command line."""
+
+
+def _mark_default(value):
+    if isinstance(value, str):
+        return DefaultStr(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return DefaultInt(value)
+    return value
+
+
+def was_given(args, dest: str) -> bool:
+    """False when ``dest`` still holds the default add_arguments marked."""
+    return not isinstance(getattr(args, dest, None), (DefaultStr, DefaultInt))
+
+
+def effective(args, dest: str):
+    """The value ``dest`` has once resolve_defaults ran (``--cpu`` replaces defaults not given)."""
+    value = getattr(args, dest, None)
+    if getattr(args, "cpu", False) and dest in CPU_DEFAULTS and not was_given(args, dest):
+        return CPU_DEFAULTS[dest]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The parallel sizes the checks need, derived the way Megatron's validate_args derives them."""
+
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    num_microbatches: int | None  # None when the batch sizes do not divide (reported separately)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Sizes:
+        tp = _get(args, "tensor_model_parallel_size", 1)
+        pp = _get(args, "pipeline_model_parallel_size", 1)
+        cp = _get(args, "context_parallel_size", 1)
+        world = _get(args, "world_size", tp * pp * cp)
+        dp = max(world // max(tp * pp * cp, 1), 1)
+        mbs = _get(args, "micro_batch_size", 1)
+        gbs = _get(args, "global_batch_size", None) or mbs * dp
+        m = gbs // (mbs * dp) if gbs % (mbs * dp) == 0 else None
+        return cls(world, tp, pp, cp, dp, m)
+
+
+def _get(args: argparse.Namespace, name: str, default):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+Check = Callable[[argparse.Namespace, Sizes], "str | None"]
+
+
+def _schedule(args) -> str | None:
+    return getattr(args, "pipeline_schedule", None)
+
+
+def _splits_backward(name: str | None) -> bool:
+    if name is None or name in MEGATRON_OWN_SCHEDULES:
+        return False
+    return name == AUTO_SCHEDULE or SCHEDULES[name].splits_backward
+
+
+def check_known_schedule(args, sizes) -> str | None:
+    name = _schedule(args)
+    if name is not None and name not in SCHEDULE_CHOICES:
+        return f"--pipeline-schedule: unknown schedule {name!r}; use one of {', '.join(SCHEDULE_CHOICES)}"
+    return None
+
+
+def check_pipeline_size(args, sizes) -> str | None:
+    name = _schedule(args)
+    if name is not None and sizes.pp < 2:
+        return (f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 (got {sizes.pp}); "
+                "raise it or drop --pipeline-schedule")
+    return None
+
+
+def check_world_size(args, sizes) -> str | None:
+    model_parallel = sizes.tp * sizes.pp * sizes.cp
+    if sizes.world % model_parallel:
+        return (f"--pipeline-model-parallel-size: world size {sizes.world} is not a multiple of TP x PP x CP = "
+                f"{model_parallel}; launch a multiple of {model_parallel} ranks")
+    return None
+
+
+def check_memory_limit(args, sizes) -> str | None:
+    limit = getattr(args, "pipeline_memory_limit", None)
+    name = _schedule(args)
+    if limit is not None and name != AUTO_SCHEDULE:
+        return f"--pipeline-memory-limit applies only to --pipeline-schedule {AUTO_SCHEDULE}; drop it or switch schedule"
+    if limit is not None and not 0.0 < limit <= 1.0:
+        return f"--pipeline-memory-limit must be in (0, 1] (a fraction of 1F1B's peak); got {limit}"
+    return None
+
+
+def accounted_layers(args) -> int:
+    """Transformer layers plus the embedding / loss when Megatron counts them as layers in the split."""
+    extra = int(bool(getattr(args, "account_for_embedding_in_pipeline_split", False)))
+    extra += int(bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+    return getattr(args, "num_layers", 0) + extra
+
+
+def check_v_layers(args, sizes) -> str | None:
+    name = _schedule(args)
+    if name not in V_SCHEDULE_NAMES or getattr(args, "num_layers", None) is None:
+        return None
+    total, chunks = accounted_layers(args), 2 * sizes.pp
+    if total % chunks:
+        counted = "" if total == args.num_layers else f" (+{total - args.num_layers} for embedding/loss = {total})"
+        return (f"--num-layers {args.num_layers}{counted} must be divisible by 2 x --pipeline-model-parallel-size "
+                f"= {chunks} for {name} (two V chunks per rank); use a multiple of {chunks}")
+    return None
+
+
+_VIRTUAL_FLAGS = (
+    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+    ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
+    ("virtual_pipeline_model_parallel_size", "--virtual-pipeline-model-parallel-size"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+)
+
+
+def check_v_layout_flags(args, sizes) -> str | None:
+    """V schedules fix the virtual pipeline (2 chunks in a V) and the uniform layer split themselves."""
+    name = _schedule(args)
+    if name not in V_SCHEDULE_NAMES:
+        return None
+    for dest, flag in (
+        *_VIRTUAL_FLAGS,
+        ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+        ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
+        ("microbatch_group_size_per_vp_stage", "--microbatch-group-size-per-virtual-pipeline-stage"),
+    ):
+        if getattr(args, dest, None) is not None:
+            return f"{flag} cannot be combined with --pipeline-schedule {name} (it sets 2 V chunks per rank itself); drop {flag}"
+    return None
+
+
+def check_single_chunk_flags(args, sizes) -> str | None:
+    """Looped schedules other than interleaved-1f1b run one model chunk per rank."""
+    name = _schedule(args)
+    if name is None or name in V_SCHEDULE_NAMES or name == "interleaved-1f1b":
+        return None
+    for dest, flag in _VIRTUAL_FLAGS:
+        if getattr(args, dest, None) is not None:
+            return (f"{flag} gives each rank several model chunks, but {name} runs one; drop {flag} or use "
+                    "--pipeline-schedule interleaved-1f1b")
+    return None
+
+
+def check_interleaved_has_chunks(args, sizes) -> str | None:
+    if _schedule(args) != "interleaved-1f1b":
+        return None
+    if not any(getattr(args, d, None) for d in (
+            "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+            "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout")):
+        return ("--pipeline-schedule interleaved-1f1b needs virtual pipeline chunks; add "
+                "--num-virtual-stages-per-pipeline-rank 2 (or another chunk count)")
+    return None
+
+
+def check_microbatches(args, sizes) -> str | None:
+    name = _schedule(args)
+    if name is None:
+        return None
+    if sizes.num_microbatches is None:
+        mbs = _get(args, "micro_batch_size", 1)
+        return (f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x "
+                f"data-parallel size = {mbs} x {sizes.dp}; change either")
+    m, mbs = sizes.num_microbatches, _get(args, "micro_batch_size", 1)
+    minimum = SCHEDULES[name].min_microbatches(sizes.pp) if name in SCHEDULES else 1
+    if m < minimum:
+        return (f"--global-batch-size gives {m} microbatches, but {name} at PP={sizes.pp} "
+                f"needs >= {minimum}; use --global-batch-size >= {minimum * mbs * sizes.dp}")
+    if name == "interleaved-1f1b" and 0 < m % sizes.pp < sizes.pp and m > sizes.pp:
+        # Megatron's interleaved schedule groups microbatches by PP; a short last group is rejected.
+        return (f"--global-batch-size gives {m} microbatches; Megatron's interleaved-1f1b needs a multiple of "
+                f"PP={sizes.pp}; use --global-batch-size {m // sizes.pp * sizes.pp * mbs * sizes.dp}")
+    return None
+
+
+def check_cpu_backend(args, sizes) -> str | None:
+    if getattr(args, "cpu", False) and effective(args, "distributed_backend") not in (None, "gloo"):
+        return f"--cpu needs the gloo backend, not --distributed-backend {args.distributed_backend}; drop that flag or use gloo"
+    return None
+
+
+def check_cpu_features(args, sizes) -> str | None:
+    if not getattr(args, "cpu", False):
+        return None
+    if effective(args, "transformer_impl") not in (None, "local"):
+        return "--cpu runs megatron-core's torch layers; use --transformer-impl local (or drop the flag)"
+    if getattr(args, "sequence_parallel", False):
+        # Megatron's torch norms (the only ones without apex / TE) assert on sequence parallel.
+        return "--sequence-parallel needs apex or Transformer Engine norms, which --cpu does not have; drop --sequence-parallel"
+    for dest, flag in (("fp16", "--fp16"), ("fp8", "--fp8-format"), ("tp_comm_overlap", "--tp-comm-overlap"),
+                       ("use_flash_attn", "--use-flash-attn")):
+        if getattr(args, dest, None):
+            return f"{flag} is CUDA-only and cannot run with --cpu; drop {flag}"
+    return None
+
+
+# Features that reduce, overlap or fuse weight gradients at the moment the full backward ends,
+# which a deferred W (after B, sometimes much later) breaks. (flag, dest, why)
+_SPLIT_CONFLICTS = (
+    ("--overlap-grad-reduce", "overlap_grad_reduce", "gradient buckets would be reduced before W runs"),
+    ("--overlap-param-gather", "overlap_param_gather", "it relies on --overlap-grad-reduce's bucket hooks"),
+    ("--delay-wgrad-compute", "delay_wgrad_compute", "the schedule already defers the weight gradient"),
+    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", "the schedule already defers W"),
+    ("--tp-comm-overlap", "tp_comm_overlap", "TE's userbuffer overlap is not wired to deferred W yet"),
+    ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", "it has its own wgrad schedule"),
+    ("--recompute-granularity", "recompute_granularity", "recomputation inside a split backward is untested"),
+    ("--cpu-offloading-num-layers", "cpu_offloading_num_layers", "offloading hooks assume a fused backward"),
+)
+
+
+def check_split_conflicts(args, sizes) -> str | None:
+    name = _schedule(args)
+    if not _splits_backward(name):
+        return None
+    for flag, dest, why in _SPLIT_CONFLICTS:
+        if getattr(args, dest, None):
+            return (f"{flag} conflicts with --pipeline-schedule {name} ({why}); drop {flag} or use a "
+                    "schedule without B/W split (1f1b, interleaved-1f1b, gpipe)")
+    return None
+
+
+def installed_te_version() -> tuple[int, ...] | None:
+    """Transformer Engine's version from package metadata (never imports TE), or None."""
+    for dist in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
+        try:
+            text = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return tuple(int(p) for p in text.split("+")[0].split(".")[:3] if p.isdigit())
+    return None
+
+
+def check_te_split(args, sizes, te_version: Callable[[], tuple | None] = installed_te_version) -> str | None:
+    name = _schedule(args)
+    if not _splits_backward(name) or effective(args, "transformer_impl") != "transformer_engine":
+        return None
+    version = te_version()
+    need = ".".join(map(str, MIN_TE_VERSION_FOR_SPLIT))
+    if version is None or version[:2] < MIN_TE_VERSION_FOR_SPLIT:
+        have = "not installed" if version is None else ".".join(map(str, version))
+        return (f"--transformer-impl transformer_engine with --pipeline-schedule {name} needs Transformer Engine "
+                f">= {need} for the B/W split (found {have}); upgrade TE or use --transformer-impl local")
+    return None
+
+
+def check_auto_available(args, sizes) -> str | None:
+    if _schedule(args) == AUTO_SCHEDULE and AUTO_SCHEDULE not in SCHEDULES:
+        return (f"--pipeline-schedule {AUTO_SCHEDULE} is not registered in this build (no adaptive generator in "
+                "megatron_vshape.schedules); use v-half or v-min for now")
+    return None
+
+
+CHECKS: tuple[Check, ...] = (
+    check_pipeline_size, check_world_size, check_memory_limit, check_v_layers,
+    check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
+    check_cpu_features, check_split_conflicts, check_te_split, check_auto_available,
+)
+
+
+def problems(args: argparse.Namespace, checks: Iterable[Check] = CHECKS) -> list[str]:
+    """Every problem with ``args`` (one line each), in check order; empty when the combination is valid."""
+    sizes = Sizes.from_args(args)
+    unknown = check_known_schedule(args, sizes)
+    if unknown:  # the other checks look the schedule up; one clear line is enough
+        return [unknown]
+    return [msg for check in checks if (msg := check(args, sizes)) is not None]
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Apply --cpu's settings and unmark the defaults add_arguments marked. Idempotent."""
+    cpu = getattr(args, "cpu", False)
+    for dest in CPU_DEFAULTS:
+        value = getattr(args, dest, None)
+        if isinstance(value, (DefaultStr, DefaultInt)):  # plain values again: args get pickled into checkpoints
+            setattr(args, dest, effective(args, dest) if cpu else type(value).__mro__[1](value))
+    if cpu:
+        for dest, value in CPU_OVERRIDES.items():
+            if hasattr(args, dest):
+                setattr(args, dest, value)
+    if _schedule(args) in V_SCHEDULE_NAMES:
+        # Megatron builds two model chunks per rank (vp_stage 0 and 1); install() gives them V layers.
+        args.num_virtual_stages_per_pipeline_rank = 2
+    for dest in ("schedule_invariant_dropout", "schedule_invariant_init"):
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, _schedule(args) is not None)
+    return args
+
+
+def validate(args: argparse.Namespace) -> argparse.Namespace:
+    """Check the combination (raising ConfigError with the first problem), then resolve defaults.
+
+    Call it before Megatron's own validate_args, so our one-line errors come before its asserts.
+    """
+    if getattr(args, "_vshape_validated", False):  # idempotent: resolve_defaults sets VPP for V schedules
+        return args
+    found = problems(args)
+    if found:
+        raise ConfigError(found[0])
+    resolve_defaults(args)
+    args._vshape_validated = True
+    return args
+
+
+def exit_on_error(func: Callable, *a, **kw):
+    """Run ``func``; on ConfigError print ``error: <line>`` to stderr and exit 2 (every rank does this)."""
+    try:
+        return func(*a, **kw)
+    except ConfigError as err:
+        print(f"megatron-vshape error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -1,0 +1,192 @@
+"""CPU mode: run unmodified megatron-core (0.16.x, 0.19.x) on CPU with the gloo backend.
+
+megatron-core assumes CUDA in a handful of places that are unrelated to the maths it runs.
+:func:`enable_cpu_mode` bridges exactly those places, once per process, explicitly:
+
+* **Device arguments.** Megatron allocates with ``device=torch.cuda.current_device()``, ``"cuda"``
+  literals and ``.cuda()`` (p2p buffers, the global memory buffer, DDP grad buffers, the token
+  counter of the schedules, optimizer scalars). A :class:`torch.overrides.TorchFunctionMode` maps
+  every CUDA device argument to ``cpu``; ``torch.cuda.current_device()`` answers ``0``.
+* **``Tensor.type()`` string checks** (``clip_grads`` asserts ``'torch.cuda.FloatTensor'``, the
+  mixed-precision optimizer sorts parameters by ``'torch.cuda.HalfTensor'``...): in CPU mode the
+  no-argument form of ``Tensor.type()`` reports the CUDA name of a CPU tensor, so those checks
+  see what they expect on a GPU.
+* **``torch.cuda`` calls**: ``synchronize``, ``empty_cache``, ``set_device`` become no-ops;
+  streams and events become inert objects (DDP's communication stream); the "CUDA" RNG state
+  is the CPU generator's state (checkpointing and the rerun state machine read and write it).
+* **The RNG tracker**: megatron's ``CudaRNGStatesTracker`` forks CUDA generator states; the CPU
+  tracker below forks the CPU default generator (dropout on CPU draws from it), so tensor-parallel
+  dropout regions stay reproducible and distinct per tracker name.
+
+Call it before building models and before ``model_parallel_cuda_manual_seed``. It is idempotent.
+It changes process-wide state on purpose (that is the point of a mode), so call it in the worker
+processes that run megatron on CPU, never in a process that should see a real GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_enabled = False
+
+
+def enable_cpu_mode() -> None:
+    """Make megatron-core run on CPU in this process (idempotent)."""
+    global _enabled
+    with _lock:
+        if _enabled:
+            return
+        if torch.cuda.is_available():
+            raise RuntimeError(
+                "enable_cpu_mode(): a CUDA device is visible; CPU mode is for CPU-only processes "
+                "(unset CUDA_VISIBLE_DEVICES or do not call enable_cpu_mode)"
+            )
+        _install_cuda_shims()
+        _install_rng_tracker()
+        _CpuDeviceMode().__enter__()  # stays on for the life of the process
+        _enabled = True
+
+
+def cpu_mode_enabled() -> bool:
+    return _enabled
+
+
+# --- device arguments ------------------------------------------------------------------------
+
+def _is_cuda_device(value) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    # A bare int as a device means "CUDA device n" in torch's factory and .to() APIs.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_CPU = torch.device("cpu")
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU and reports CUDA type names from ``Tensor.type()``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+# --- torch.cuda calls ------------------------------------------------------------------------
+
+class _InertStream:
+    """Stands in for ``torch.cuda.Stream``: on CPU every op is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _InertEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _InertEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _install_cuda_shims() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.set_device = lambda device: None
+    cuda.Stream = _InertStream
+    cuda.Event = _InertEvent
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.default_stream = lambda device=None: _InertStream()
+    cuda.current_stream = lambda device=None: _InertStream()
+    # The "CUDA" generator of a CPU process is the CPU generator (checkpoints, rerun machine).
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+
+
+# --- RNG tracker -----------------------------------------------------------------------------
+
+def _install_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's RNG tracker over the CPU default generator (the one CPU dropout uses)."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+            self.states_[name] = generator.get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer_state, outer_name = torch.get_rng_state(), self._current_state_name
+            if outer_name != "default-rng":
+                self.states_[outer_name] = outer_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if outer_name != "default-rng":
+                    outer_state = self.states_[outer_name]
+                torch.set_rng_state(outer_state)
+                self._current_state_name = outer_name
+
+    # initialize_rng_tracker() looks the class up by name at call time, so later (re)initialisations
+    # also get the CPU tracker; activation checkpointing saves/restores through these two helpers.
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    mrandom.initialize_rng_tracker(force_reset=True)

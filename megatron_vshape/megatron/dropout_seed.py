@@ -1,0 +1,214 @@
+"""Schedule-invariant randomness: dropout masks and initial weights that no schedule can change.
+
+Dropout: masks depend on (seed, iteration, microbatch, global layer) only.
+
+Megatron draws dropout masks from running RNG streams (the default generator for hidden dropout,
+the tensor-parallel tracker for attention dropout). Those streams advance in the order a rank
+runs its forward passes, so two schedules that interleave microbatches and chunks differently draw
+different masks and train a (slightly) different model. To make every schedule compute the same
+maths, :class:`InvariantDropout` reseeds both streams at the start of each transformer layer's forward
+(and of the embedding, "layer 0", whose dropout runs before the first layer) from
+
+    (seed, iteration, global microbatch, global layer number)
+
+where the global microbatch is ``dp_rank * num_microbatches + k`` for the k-th forward of that model
+chunk in this iteration (every schedule runs a chunk's forwards in microbatch order). Tensor-parallel
+ranks keep Megatron's relation: same default-generator seed, tracker seed ``+ 2718 + tp_rank``.
+
+Scope, no global state: the current (iteration, microbatch) lives in a :class:`contextvars.ContextVar`
+set only while :meth:`InvariantDropout.wrap_forward_step`'s wrapper runs a forward step; outside it
+the layer hooks do nothing, so evaluation, other code and other schedules are untouched.
+
+Initialisation: Megatron initialises each rank's parameters from one stream seeded by
+``seed + 100 * pipeline rank``, so a layer's initial weights depend on which rank builds it and what
+that rank built before: 1F1B and a V schedule would start from different models.
+:func:`invariant_init` reseeds the same streams right before the embedding (stream 0), before each
+transformer layer (its global layer number) and after the decoder block (the output layer's stream),
+so every placement builds bit-identical initial weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import hashlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+_EMBEDDING_LAYER = 0
+_AFTER_DECODER = -1  # the output layer's init stream
+_TRACKER_OFFSET = 2718  # megatron's model-parallel seed offset (model_parallel_cuda_manual_seed)
+_HOOKED = "_vshape_invariant_dropout_hook"
+
+
+@dataclass(frozen=True)
+class _Position:
+    seed: int
+    iteration: int
+    microbatch: int
+    tp_rank: int
+
+
+_current: contextvars.ContextVar[_Position | None] = contextvars.ContextVar("vshape_dropout_position", default=None)
+
+
+def mix_seed(seed: int, iteration: int, microbatch: int, layer: int) -> int:
+    """A 63-bit seed from the four values (a hash, so nearby tuples give unrelated streams)."""
+    digest = hashlib.blake2b(f"{seed}/{iteration}/{microbatch}/{layer}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _generator_state(seed: int) -> torch.Tensor:
+    """The state a freshly seeded default generator of this device would have."""
+    if torch.cuda.is_available():
+        saved = torch.cuda.get_rng_state()
+        torch.cuda.manual_seed(seed)
+        state = torch.cuda.get_rng_state()
+        torch.cuda.set_rng_state(saved)
+        return state
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator.get_state()
+
+
+def reseed_streams(base: int, tp_rank: int) -> None:
+    """Reseed the default generators and megatron's tensor-/expert-parallel tracker states."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(base)  # CPU and every CUDA device
+    states = getattr(mrandom.get_cuda_rng_tracker(), "states_", None)
+    if not isinstance(states, dict):
+        return
+    for name, offset in ((mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, _TRACKER_OFFSET + tp_rank),
+                         (getattr(mrandom, "_EXPERT_PARALLEL_RNG_TRACKER_NAME", None), 1024 + tp_rank)):
+        if name in states and isinstance(states[name], torch.Tensor):
+            states[name] = _generator_state(base + offset)
+
+
+def reseed(position: _Position, layer: int) -> None:
+    """Reseed the dropout streams for ``layer`` of the microbatch at ``position``."""
+    reseed_streams(mix_seed(position.seed, position.iteration, position.microbatch, layer), position.tp_rank)
+
+
+def _layer_pre_hook(layer: int):
+    def hook(module, args, kwargs=None):
+        position = _current.get()
+        if position is not None and module.training:
+            reseed(position, layer)
+
+    return hook
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def attach(models) -> int:
+    """Register the reseeding pre-hooks on every transformer layer and embedding (idempotent).
+
+    Returns the number of modules hooked now.
+    """
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    hooked = 0
+    for model in models:
+        for module in _unwrap(model).modules():
+            if getattr(module, _HOOKED, False):
+                continue
+            if isinstance(module, TransformerLayer):
+                layer = int(module.layer_number)
+            elif isinstance(module, LanguageModelEmbedding):
+                layer = _EMBEDDING_LAYER
+            else:
+                continue
+            module.register_forward_pre_hook(_layer_pre_hook(layer))
+            setattr(module, _HOOKED, True)
+            hooked += 1
+    return hooked
+
+
+class InvariantDropout:
+    """Per-iteration helper: wraps a forward_step_func so each call knows its microbatch."""
+
+    def __init__(self, seed: int, iteration: int, num_microbatches: int, dp_rank: int, tp_rank: int):
+        self.seed, self.iteration, self.tp_rank = seed, iteration, tp_rank
+        self.first_microbatch = dp_rank * num_microbatches
+        self._calls: dict[int, int] = {}  # id(model chunk) -> forwards run this iteration
+
+    def _next_microbatch(self, model) -> int:
+        key = id(model)
+        k = self._calls.get(key, 0)
+        self._calls[key] = k + 1
+        return self.first_microbatch + k
+
+    def wrap_forward_step(self, forward_step_func):
+        @functools.wraps(forward_step_func)  # keeps the signature megatron inspects
+        def forward_step(data_iterator, model, *args, **kwargs):
+            position = _Position(self.seed, self.iteration, self._next_microbatch(model), self.tp_rank)
+            token = _current.set(position)
+            try:
+                return forward_step_func(data_iterator, model, *args, **kwargs)
+            finally:
+                _current.reset(token)
+
+        return forward_step
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation
+# ---------------------------------------------------------------------------------------------
+
+_INIT_ITERATION = -1  # distinguishes init streams from any training iteration's dropout streams
+
+
+def _global_layer_number(bound: inspect.BoundArguments) -> int:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    args = bound.arguments
+    number = args.get("layer_number", 1)
+    if args.get("is_mtp_layer", False) or not args.get("add_layer_offset", True):
+        return number
+    pgs = args.get("pg_collection") or ProcessGroupCollection.use_mpu_process_groups()
+    return number + get_transformer_layer_offset(args["config"], args.get("vp_stage"), pgs.pp.rank())
+
+
+@contextlib.contextmanager
+def invariant_init(seed: int, tp_rank: int):
+    """While active, model construction reseeds per global layer (see the module docstring)."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def stream(layer: int) -> None:
+        reseed_streams(mix_seed(seed, _INIT_ITERATION, 0, layer), tp_rank)
+
+    originals = {cls: cls.__init__ for cls in (TransformerLayer, LanguageModelEmbedding, TransformerBlock)}
+    signature = inspect.signature(originals[TransformerLayer])
+
+    def layer_init(self, *args, **kwargs):
+        stream(_global_layer_number(signature.bind(self, *args, **kwargs)))
+        originals[TransformerLayer](self, *args, **kwargs)
+
+    def embedding_init(self, *args, **kwargs):
+        stream(_EMBEDDING_LAYER)
+        originals[LanguageModelEmbedding](self, *args, **kwargs)
+
+    def block_init(self, *args, **kwargs):
+        originals[TransformerBlock](self, *args, **kwargs)
+        stream(_AFTER_DECODER)  # what GPTModel builds next (the output layer) gets its own stream
+
+    replacements = {TransformerLayer: layer_init, LanguageModelEmbedding: embedding_init, TransformerBlock: block_init}
+    try:
+        for cls, func in replacements.items():
+            cls.__init__ = functools.wraps(originals[cls])(func)
+        yield
+    finally:
+        for cls, func in originals.items():
+            cls.__init__ = func

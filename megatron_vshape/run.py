@@ -1,0 +1,61 @@
+"""Run an unmodified Megatron-LM training script with megatron-vshape installed.
+
+    torchrun --nproc-per-node 8 -m megatron_vshape.run path/to/Megatron-LM/pretrain_gpt.py \\
+        --pipeline-schedule v-half --pipeline-model-parallel-size 8 ...(the script's usual flags)
+
+The runner hooks megatron.training's argument parsing (:func:`megatron_vshape.megatron.install.hook_arguments`):
+our flags join the script's, our checks run before Megatron's ``validate_args`` (one-line error,
+exit 2, on every rank), and :func:`megatron_vshape.install` runs right after it. Then the script runs
+as ``__main__`` with its own directory first on ``sys.path``, exactly as ``python script.py`` would.
+It works with scripts that call ``parse_and_validate_args(extra_args_provider=...)`` (Megatron-LM with
+megatron-core 0.19.x) and with older ones that pass ``extra_args_provider`` to ``pretrain()``. Needs
+megatron-core >= 0.19 (``megatron.training``).
+
+With a V schedule, the script's model provider must forward ``pg_collection`` to GPTModel (Megatron-LM's
+does), and its batch/dataset predicates should use ``mpu.is_pipeline_first_stage/last_stage`` with the
+chunk's ``vp_stage`` (Megatron-LM's ``is_first_or_last_pipeline_stage`` does): install() gives those
+V answers (rank 0 holds both the first and the last stage).
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+USAGE = "usage: python -m megatron_vshape.run SCRIPT.py [script and megatron-vshape flags ...]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(USAGE + "\n\n" + __doc__, file=sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    script = Path(argv[0])
+    if not script.is_file():
+        print(f"megatron-vshape error: {USAGE}; no such script: {script}", file=sys.stderr)
+        raise SystemExit(2)
+    from megatron_vshape.megatron.install import hook_arguments
+
+    hook_arguments()
+    sys.argv = [str(script), *argv[1:]]
+    sys.path.insert(0, str(script.resolve().parent))
+    runpy.run_path(str(script), run_name="__main__")
+    _shutdown()
+
+
+def _shutdown() -> None:
+    """Leave together and tear the process groups down before the interpreter exits.
+
+    A rank that exits first can otherwise destroy communicator threads a slower peer still uses
+    ("terminate called without an active exception", exit -6). Scripts that already did it are fine.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Helpers for the Megatron glue tests (imported by name: keep this module name unique in tests/)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MC19 = Path("/opt/venv-mc19/bin/python")
+
+
+def _has_megatron_training() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def mc19_python_or_none() -> str | None:
+    """An interpreter with megatron.training (megatron-core 0.19.x): this one, $VSHAPE_MC19_PYTHON, or the venv."""
+    if _has_megatron_training():
+        return sys.executable
+    candidate = os.environ.get("VSHAPE_MC19_PYTHON") or (str(DEFAULT_MC19) if DEFAULT_MC19.exists() else None)
+    return candidate
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1",
+               CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+              cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (torchrun and its ranks)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -1,0 +1,167 @@
+"""Bad flag combinations fail with one line naming the flag and the fix (pure argparse, no torch)."""
+
+import argparse
+
+import pytest
+
+from megatron_vshape.megatron import arguments as vargs
+from megatron_vshape.megatron.arguments import ConfigError, add_arguments, problems, resolve_defaults, validate
+
+
+def megatron_like(**overrides) -> argparse.Namespace:
+    """The Namespace Megatron's parser gives for the issue's CPU example (before its validate_args)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--distributed-backend", default="nccl")
+    parser.add_argument("--transformer-impl", default="transformer_engine")
+    add_arguments(parser)
+    args = parser.parse_args(["--pipeline-schedule", "v-half", "--cpu"])
+    base = dict(
+        world_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=4, context_parallel_size=1,
+        num_layers=8, micro_batch_size=2, global_batch_size=16, gradient_accumulation_fusion=True,
+        overlap_grad_reduce=False, recompute_granularity=None, fp16=False,
+    )
+    for key, value in {**base, **overrides}.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_valid_example_passes_and_resolves_cpu_defaults():
+    args = validate(megatron_like())
+    assert args.distributed_backend == "gloo"
+    assert args.transformer_impl == "local"
+    assert args.gradient_accumulation_fusion is False
+    assert args.schedule_invariant_dropout is True
+
+
+def test_cpu_rejects_an_explicit_nccl_but_not_megatrons_default():
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--distributed-backend", default="nccl", type=str)  # as Megatron's: typed
+    add_arguments(parser)
+    default = parser.parse_args(["--cpu"])
+    assert default.distributed_backend == "nccl" and not vargs.was_given(default, "distributed_backend")
+    assert validate(default).distributed_backend == "gloo"
+    assert type(default.distributed_backend) is str
+    with pytest.raises(ConfigError, match="--cpu needs the gloo backend"):
+        validate(parser.parse_args(["--cpu", "--distributed-backend", "nccl"]))
+    assert validate(parser.parse_args(["--cpu", "--distributed-backend", "gloo"])).distributed_backend == "gloo"
+
+
+def test_defaults_keep_megatron_behaviour():
+    args = resolve_defaults(megatron_like(pipeline_schedule=None, cpu=False))
+    assert args.distributed_backend == "nccl"
+    assert args.transformer_impl == "transformer_engine"
+    assert args.gradient_accumulation_fusion is True
+    assert args.schedule_invariant_dropout is False
+    assert type(args.distributed_backend) is str and type(args.transformer_impl) is str
+
+
+def test_v_schedule_accepts_paper_shapes_with_embedding_and_loss_counted():
+    args = megatron_like(num_layers=30, world_size=16, pipeline_model_parallel_size=16, global_batch_size=32,
+                         account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    assert problems(args) == []
+
+
+def test_validate_is_idempotent_and_sets_two_v_chunks():
+    args = validate(megatron_like())
+    assert args.num_virtual_stages_per_pipeline_rank == 2
+    assert validate(args) is args
+
+
+def test_help_names_every_schedule_and_which_keep_megatron_functions():
+    text = add_arguments(argparse.ArgumentParser()).format_help()
+    for name in vargs.SCHEDULE_CHOICES:
+        assert name in text
+    assert "1f1b (one-forward-one-backward (Megatron's default); runs on Megatron's own function)" in " ".join(text.split())
+
+
+BAD = {
+    "unknown-schedule": (dict(pipeline_schedule="v-quarter"), "--pipeline-schedule"),
+    "pp1": (dict(pipeline_model_parallel_size=1, world_size=1), "--pipeline-model-parallel-size >= 2"),
+    "pp1-megatron-own": (dict(pipeline_schedule="1f1b", pipeline_model_parallel_size=1, world_size=1),
+                         "--pipeline-model-parallel-size >= 2"),
+    "world-not-multiple": (dict(world_size=6), "world size 6"),
+    "v-layers": (dict(num_layers=12), "--num-layers 12 must be divisible by 2 x"),
+    "v-min-layers": (dict(pipeline_schedule="v-min", num_layers=4), "--num-layers 4"),
+    "memory-limit-zero": (dict(pipeline_schedule="v-auto", pipeline_memory_limit=0.0), "(0, 1]"),
+    "memory-limit-above-one": (dict(pipeline_schedule="v-auto", pipeline_memory_limit=1.5), "(0, 1]"),
+    "memory-limit-without-auto": (dict(pipeline_memory_limit=0.5), "only to --pipeline-schedule v-auto"),
+    "too-few-microbatches": (dict(pipeline_schedule="interleaved-1f1b", num_virtual_stages_per_pipeline_rank=2,
+                                  global_batch_size=4), "needs >= 4"),
+    "batch-not-divisible": (dict(global_batch_size=15), "--global-batch-size 15 must be a multiple"),
+    "interleaved-without-chunks": (dict(pipeline_schedule="interleaved-1f1b"), "--num-virtual-stages-per-pipeline-rank 2"),
+    "1f1b-with-vpp": (dict(pipeline_schedule="1f1b", num_virtual_stages_per_pipeline_rank=2),
+                      "drop --num-virtual-stages-per-pipeline-rank or use --pipeline-schedule interleaved-1f1b"),
+    "zb-with-layout": (dict(pipeline_schedule="zb-1p", pipeline_model_parallel_layout="Et|t|t|tL"),
+                       "--pipeline-model-parallel-layout gives each rank several model chunks"),
+    "v-with-vpp": (dict(num_virtual_stages_per_pipeline_rank=2), "--num-virtual-stages-per-pipeline-rank cannot"),
+    "v-with-layout": (dict(pipeline_model_parallel_layout="Et*4|t*4L"), "--pipeline-model-parallel-layout"),
+    "v-uneven-first": (dict(decoder_first_pipeline_num_layers=1), "--decoder-first-pipeline-num-layers"),
+    "v-embedding-split": (dict(num_layers=8, account_for_embedding_in_pipeline_split=True), "(+1 for embedding/loss = 9)"),
+    "interleaved-short-group": (dict(pipeline_schedule="interleaved-1f1b", num_virtual_stages_per_pipeline_rank=2,
+                                     global_batch_size=2 * 6), "needs a multiple of PP=4"),
+    "cpu-nccl": (dict(distributed_backend="nccl"), "--cpu needs the gloo backend"),
+    "cpu-te": (dict(transformer_impl="transformer_engine"), "--transformer-impl local"),
+    "cpu-fp16": (dict(fp16=True), "--fp16 is CUDA-only"),
+    "cpu-sequence-parallel": (dict(tensor_model_parallel_size=2, world_size=8, sequence_parallel=True),
+                              "--sequence-parallel needs apex"),
+    "split-overlap-grad": (dict(overlap_grad_reduce=True), "--overlap-grad-reduce conflicts"),
+    "split-overlap-param": (dict(overlap_param_gather=True), "--overlap-param-gather conflicts"),
+    "split-delay-wgrad": (dict(delay_wgrad_compute=True), "--delay-wgrad-compute conflicts"),
+    "split-recompute": (dict(pipeline_schedule="zb-h1", num_layers=8, recompute_granularity="full"),
+                        "--recompute-granularity conflicts"),
+    "split-tp-overlap": (dict(cpu=False, distributed_backend=None, tp_comm_overlap=True), "--tp-comm-overlap conflicts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_combination_fails_with_one_line_naming_flag(case):
+    overrides, expected = BAD[case]
+    args = megatron_like(**overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(args)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+    assert message.lstrip().startswith("--"), "the line must start with the flag it is about"
+    assert ";" in message, "the line must say how to fix it"
+
+
+def test_split_schedule_with_old_or_missing_te_is_rejected_and_new_te_accepted():
+    args = megatron_like(cpu=False, distributed_backend=None, transformer_impl="transformer_engine")
+    sizes = vargs.Sizes.from_args(args)
+    assert "found 2.1.0" in vargs.check_te_split(args, sizes, te_version=lambda: (2, 1, 0))
+    assert "not installed" in vargs.check_te_split(args, sizes, te_version=lambda: None)
+    assert vargs.check_te_split(args, sizes, te_version=lambda: (2, 8, 0)) is None
+    args.pipeline_schedule = "1f1b"  # Megatron's own schedule: no split, any TE is fine
+    assert vargs.check_te_split(args, sizes, te_version=lambda: None) is None
+
+
+def test_megatron_own_and_unsplit_schedules_allow_overlap_features():
+    for name in ("1f1b", "gpipe"):
+        args = megatron_like(pipeline_schedule=name, cpu=False, distributed_backend=None, overlap_grad_reduce=True)
+        assert problems(args) == []
+
+
+@pytest.mark.parametrize("limit", [0.5, 1.0, None])
+def test_v_auto_with_a_valid_or_default_limit_passes_once_registered(limit):
+    found = problems(megatron_like(pipeline_schedule="v-auto", pipeline_memory_limit=limit))
+    if "v-auto" in vargs.SCHEDULES:
+        assert found == []
+    else:
+        assert len(found) == 1 and "--pipeline-schedule v-auto is not registered" in found[0]
+
+
+def test_problems_lists_every_issue():
+    found = problems(megatron_like(num_layers=12, distributed_backend="nccl", pipeline_memory_limit=2.0))
+    assert len(found) == 3
+
+
+def test_exit_on_error_prints_one_line_and_exits_2(capsys):
+    def boom():
+        raise ConfigError("--pipeline-schedule: bad; fix it")
+
+    with pytest.raises(SystemExit) as info:
+        vargs.exit_on_error(boom)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--pipeline-schedule: bad; fix it" in err
