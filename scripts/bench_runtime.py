@@ -1,0 +1,159 @@
+"""Iteration time per schedule on CPU ranks (gloo), next to Megatron's own 1F1B.
+
+    python scripts/bench_runtime.py [--pp 2] [--microbatches 8] [--iters 5] [--json FILE]
+
+Spawns ``--pp`` ranks with one thread each, builds a GPT big enough that compute dominates
+(megatron-core GPTModel, local spec, fp32, dropout off), and times full forward-backward
+iterations (median over ``--iters`` after warm-up; each iteration's time is the slowest rank's).
+Rows: ``megatron-1f1b`` (megatron-core's forward_backward_pipelining_without_interleaving) and
+each requested vshape schedule run by the vshape executor. Unless ``--unit-costs``, the schedules
+are built with F/B/W costs measured on a V-ZB warm-up run (the greedy and zero-bubble schedules
+place W passes by cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+from megatron_vshape.schedules import Costs
+from megatron_vshape.verify import ModelSettings, build_gpt, forward_step, make_config, microbatch, spawn
+
+DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "v-min", "v-half", "v-zb")
+
+
+def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, warmup, iters, measure_costs):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, world_size)
+    model_parallel_cuda_manual_seed(model.seed)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    data = [dict(microbatch(model, i), index=i) for i in range(microbatches)]
+    costs = _measure_costs(model, world_size, pp_rank, microbatches, data) if measure_costs else Costs()
+    runs = {name: _build_row(name, model, world_size, pp_rank, microbatches, costs)
+            for name in ("megatron-1f1b", *schedules)}
+    rows = {name: {"wall_s": [], "cpu_s": []} for name in runs}
+    # Round-robin over the rows each iteration, so that load changing over time hits all rows alike.
+    for step in range(warmup + iters):
+        for name, (func, ddp) in runs.items():
+            wall, cpu = _time_iteration(func, ddp, data, model, microbatches)
+            if step >= warmup:
+                rows[name]["wall_s"].append(wall)
+                rows[name]["cpu_s"].append(cpu)
+    parallel_state.destroy_model_parallel()
+    return {"rows": rows, "costs": vars(costs)}
+
+
+def _measure_costs(model, world_size, pp_rank, microbatches, data) -> Costs:
+    """Mean F, B, W time of one V chunk (pipeline average), from a V-ZB run: the schedules' costs."""
+    import torch
+
+    func, ddp = _build_row("v-zb", model, world_size, pp_rank, microbatches, Costs(), record_timeline=True)
+    sums = torch.zeros(3, dtype=torch.float64)
+    counts = torch.zeros(3, dtype=torch.float64)
+    for _ in range(2):
+        _time_iteration(func, ddp, data, model, microbatches)
+        for action, start, end in func.last_timeline:
+            index = "FBW".index(action.kind.value)
+            sums[index] += end - start
+            counts[index] += 1
+    torch.distributed.all_reduce(sums)
+    torch.distributed.all_reduce(counts)
+    f, b, w = (sums / counts).tolist()
+    return Costs(f=1.0, b=round(b / f, 3), w=round(w / f, 3))
+
+
+def _build_row(name, model, world_size, pp_rank, microbatches, costs, record_timeline=False):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+    from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
+
+    ours = build_forward_backward_func("1f1b" if name == "megatron-1f1b" else name, costs=costs,
+                                       record_timeline=record_timeline)
+    func = forward_backward_pipelining_without_interleaving if name == "megatron-1f1b" else ours
+    placement = ours.schedule(world_size, microbatches).placement
+    vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
+    config = make_config(model, world_size, 1, vp, False)
+    config.finalize_model_grads_func = finalize_model_grads
+    chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
+        config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
+    return func, [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
+
+
+def _time_iteration(func, ddp, data, model, microbatches) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one iteration, each the slowest rank's."""
+    import time
+
+    import torch
+
+    for m in ddp:
+        m.zero_grad_buffer()
+    iterators = [iter(data) for _ in ddp]
+    torch.distributed.barrier()
+    start, cpu_start = _now(), time.process_time()
+    func(forward_step_func=forward_step, data_iterator=iterators if len(ddp) > 1 else iterators[0],
+         model=ddp if len(ddp) > 1 else ddp[0], num_microbatches=microbatches,
+         seq_length=model.seq_length, micro_batch_size=model.micro_batch_size)
+    elapsed = torch.tensor([_now() - start, time.process_time() - cpu_start], dtype=torch.float64)
+    torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+    return elapsed[0].item(), elapsed[1].item()
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--unit-costs", action="store_true",
+                        help="build schedules with F=B=W instead of the F/B/W times measured on a V-ZB run")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    if args.pp < 2:
+        parser.error("--pp must be >= 2 (this benchmarks pipeline schedules)")
+    if args.layers % (2 * args.pp):
+        parser.error(f"--layers must be a multiple of 2*pp = {2 * args.pp} (V schedules use 2 chunks per rank)")
+    model = replace(ModelSettings(), num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
+                    seq_length=args.seq, vocab_size=1024, micro_batch_size=1)
+    schedules = tuple(s for s in args.schedules.split(",") if s)
+    (result, *_) = spawn(_worker, args.pp, (model, schedules, args.microbatches, args.warmup, args.iters,
+                                            not args.unit_costs), timeout=args.timeout)
+    rows = result["rows"]
+    base = statistics.median(rows["1f1b"]["wall_s"]) if "1f1b" in rows else None
+    report = []
+    print(f"pp={args.pp} m={args.microbatches} layers={args.layers} hidden={args.hidden} seq={args.seq} "
+          f"(median of {args.iters}, slowest rank; cpu = busy CPU time of the busiest rank)")
+    print(f"  schedule costs: {result['costs']}")
+    for name, times in rows.items():
+        wall, cpu = statistics.median(times["wall_s"]), statistics.median(times["cpu_s"])
+        vs = f"{base / wall - 1:+6.1%} speed vs 1f1b" if base else ""
+        print(f"  {name:14s} wall {wall * 1000:8.1f} ms  cpu {cpu * 1000:8.1f} ms  {vs}")
+        report.append({"schedule": name, "median_wall_s": wall, "median_cpu_s": cpu, **times})
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"config": vars(args), "costs": result["costs"], "rows": report}, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

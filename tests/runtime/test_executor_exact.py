@@ -1,0 +1,119 @@
+"""The executor runs every schedule on megatron-core gradient-exact (CPU, gloo, spawned ranks).
+
+Each configuration spawns its process group once and runs all its schedules inside it (untied
+embeddings, then tied: results named "<schedule>+tied"); the reference is the same GPT (same initial weights by global parameter name, same data) in one
+process. Relative error of a gradient is ||g - g_ref|| / ||g_ref||.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_vshape.verify import ModelSettings, RunSpec, SpawnError, run_check
+
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-1p", "zb-2p", "v-min", "v-half", "v-zb", "v-auto")
+TOLERANCE = 1e-6
+MICROBATCHES = 8
+
+
+def _assert_exact(result: dict, expected_losses: int) -> None:
+    assert result["num_losses"] == expected_losses, result
+    assert result["num_eval_losses"] == expected_losses, result
+    assert result["max_grad_rel_err"] <= TOLERANCE, result
+    assert result["max_loss_abs_err"] <= TOLERANCE, result
+    assert result["eval_loss_abs_err"] <= TOLERANCE, result
+
+
+@pytest.fixture(scope="module")
+def pp2_results():
+    return run_check(RunSpec(schedules=ALL_SCHEDULES, pp=2, microbatches=MICROBATCHES, also_tied=True), timeout=500)
+
+
+@pytest.fixture(scope="module")
+def pp4_results():
+    return run_check(RunSpec(schedules=ALL_SCHEDULES, pp=4, microbatches=MICROBATCHES, also_tied=True), timeout=600)
+
+
+@pytest.mark.timeout(550)
+@pytest.mark.parametrize("name", ALL_SCHEDULES + tuple(f"{n}+tied" for n in ALL_SCHEDULES))
+def test_pp2_every_schedule_matches_single_process(pp2_results, name):
+    _assert_exact(pp2_results[name], MICROBATCHES)
+
+
+@pytest.mark.timeout(650)
+@pytest.mark.parametrize("name", ALL_SCHEDULES + tuple(f"{n}+tied" for n in ALL_SCHEDULES))
+def test_pp4_every_schedule_matches_single_process(pp4_results, name):
+    _assert_exact(pp4_results[name], MICROBATCHES)
+
+
+@pytest.mark.timeout(650)
+def test_measured_activation_peaks_follow_the_simulator(pp4_results):
+    """Worst-rank peak relative to 1F1B matches the simulator's ratio within 10%."""
+    worst = {name: max(pp4_results[name]["peak_activation_bytes"]) for name in ALL_SCHEDULES}
+    predicted = {name: max(pp4_results[name]["predicted_peak_units"]) for name in ALL_SCHEDULES}
+    assert worst["v-min"] < worst["v-half"] < worst["1f1b"], worst
+    for name in ("v-min", "v-half", "v-zb", "gpipe", "interleaved-1f1b"):
+        measured_ratio = worst[name] / worst["1f1b"]
+        predicted_ratio = predicted[name] / predicted["1f1b"]
+        assert abs(measured_ratio / predicted_ratio - 1) <= 0.10, (name, measured_ratio, predicted_ratio)
+    # 1F1B's per-rank profile itself: rank r keeps d - r microbatches in flight.
+    ranks = pp4_results["1f1b"]["peak_activation_bytes"]
+    per_unit = ranks[-1]
+    for rank, units in enumerate(pp4_results["1f1b"]["predicted_peak_units"]):
+        assert abs(ranks[rank] / (units * per_unit) - 1) <= 0.10, (rank, ranks)
+
+
+@pytest.mark.timeout(300)
+def test_swapped_messages_are_caught():
+    """Posting two receives from one peer out of send order must not pass the gradient check."""
+    result = run_check(RunSpec(schedules=("v-half",), pp=2, microbatches=4, corrupt_plan=True), timeout=200)
+    row = result["v-half"]
+    assert row["max_grad_rel_err"] > 1e-3 or row["max_loss_abs_err"] > 1e-3, row
+
+
+@pytest.mark.timeout(500)
+def test_tp2_sequence_parallel_pp2_tied_and_untied():
+    spec = RunSpec(schedules=("v-half", "v-zb"), pp=2, tp=2, microbatches=4, sequence_parallel=True, also_tied=True)
+    results = run_check(spec, timeout=400)
+    assert set(results) == {"v-half", "v-zb", "v-half+tied", "v-zb+tied"}
+    for row in results.values():
+        _assert_exact(row, 4 * spec.tp)  # every tensor-parallel rank of the loss stage reports
+
+
+@pytest.mark.timeout(500)
+def test_dp2_pp2_tied_and_untied():
+    spec = RunSpec(schedules=("v-half", "v-zb"), pp=2, dp=2, microbatches=4, also_tied=True)
+    results = run_check(spec, timeout=400)
+    assert set(results) == {"v-half", "v-zb", "v-half+tied", "v-zb+tied"}
+    for row in results.values():
+        _assert_exact(row, 4 * spec.dp)
+
+
+@pytest.mark.timeout(400)
+def test_dp2_overlapped_grad_reduce_for_fused_schedules():
+    """With --overlap-grad-reduce the executor launches a chunk's reduction after its last backward."""
+    spec = RunSpec(schedules=("1f1b", "interleaved-1f1b"), pp=2, dp=2, microbatches=4, overlap_grad_reduce=True,
+                   model=ModelSettings(tied_embeddings=True))
+    results = run_check(spec, timeout=300)
+    for name in spec.schedules:
+        _assert_exact(results[name], 4 * spec.dp)
+
+
+@pytest.mark.timeout(300)
+def test_split_schedule_with_overlapped_grad_reduce_fails_before_computing():
+    spec = RunSpec(schedules=("v-zb",), pp=2, microbatches=4, overlap_grad_reduce=True)
+    with pytest.raises(SpawnError, match="overlap-grad-reduce"):
+        run_check(spec, timeout=200)
+
+
+@pytest.mark.timeout(500)
+def test_dp2_distributed_optimizer_first_adam_step():
+    """megatron's distributed optimizer (reduce-scattered grads) applies the reference's update."""
+    spec = RunSpec(schedules=("v-half", "v-zb"), pp=2, dp=2, microbatches=4, distributed_optimizer=True,
+                   also_tied=True)
+    results = run_check(spec, timeout=400)
+    assert set(results) == {"v-half", "v-zb", "v-half+tied", "v-zb+tied"}
+    for name, row in results.items():
+        assert row["num_losses"] == 4 * spec.dp, (name, row)
+        assert row["max_grad_rel_err"] <= TOLERANCE, (name, row)  # here: error of the parameter update
+        assert row["max_loss_abs_err"] <= TOLERANCE, (name, row)
