@@ -80,11 +80,13 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vshape", description="Controllable-memory pipeline schedules: list, simulate, "
-                                                "plot, export, import.")
+                                                "plot, export, import, plan, verify.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     sub.add_parser("list", help="schedules with a one-line description")
+    for name, (_, help_text) in _DELEGATED.items():  # listed in --help; main() dispatches them first
+        sub.add_parser(name, help=help_text + f" (see `vshape {name} --help`)", add_help=False)
 
     simulate_p = sub.add_parser("simulate", help="validate and simulate a schedule, print a summary")
     _add_selection(simulate_p)
@@ -126,7 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands that own their argument parsing (lazily imported: verify needs torch).
+_DELEGATED = {
+    "plan": ("megatron_vshape.planner.cli", "cost model + search: predict MFU, bubble and memory of layouts"),
+    "verify": ("megatron_vshape.verify", "run one iteration on CPU ranks and compare with a one-process run"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        module = importlib.import_module(_DELEGATED[argv[0]][0])
+        return module.main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,0 +1,170 @@
+"""``vshape plan``: predict MFU, bubble and memory per schedule and search the best layout.
+
+Examples::
+
+    vshape plan --model 98.5b --seq 3072 --gpus 40 --global-batch 640 --flash-attention
+    vshape plan --layers 32 --hidden 4096 --heads 32 --seq 4096 --gpu h100 --gpus 16 --global-batch 256
+    vshape plan --model 9.6b --gpus 16 --global-batch 64 --tp 1 --pp 16 --micro-batch 4 --schedules 1f1b,v-half
+
+Bad input ends with one line on stderr naming the flag and the fix, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..schedules import ScheduleError
+from .costs import CostModel, calibrate_efficiency
+from .hardware import GPUS, get_gpu
+from .model import PRESETS, GPTModel, get_model
+from .predict import Prediction, planner_schedule_names, split_name
+from .search import Grid, ScheduleSearch, search
+
+PAPER_SCHEDULES = ("1f1b", "1f1b-r", "v-min", "v-half", "v-zb")
+# The one published number the cost model is calibrated from (paper, arXiv v1): the 9.6B model's
+# F pass over one V chunk (one layer) at microbatch 4, sequence 1024, on an A100: 12.96 ms.
+PAPER_F_MS = 12.96
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="vshape plan", description=__doc__.split("\n\n")[0])
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (the paper's models)")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--seq", type=int, help="sequence length (default: 1024 or the preset's)")
+    m.add_argument("--vocab", type=int, default=51200)
+    m.add_argument("--flash-attention", action="store_true",
+                   help="no stored s x s attention scores (drops the 5as term of the activation model)")
+    h = p.add_argument_group("hardware and batch")
+    h.add_argument("--gpu", default="a100", help=f"one of {', '.join(GPUS)} (default a100)")
+    h.add_argument("--gpus", type=int, required=True, help="total GPU count")
+    h.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    c = p.add_argument_group("cost model")
+    c.add_argument("--efficiency", type=float,
+                   help=f"achievable fraction of peak FLOP/s (default: calibrated from the paper's {PAPER_F_MS} ms)")
+    c.add_argument("--calibrate-f-ms", type=float, help="measured F time of --calibrate-layers layers, in ms")
+    c.add_argument("--calibrate-model", default="9.6b", help="preset the measurement is for (default 9.6b)")
+    c.add_argument("--calibrate-micro-batch", type=int, default=4)
+    c.add_argument("--calibrate-layers", type=int, default=1)
+    c.add_argument("--bandwidth-efficiency", type=float, default=0.7, help="achievable fraction of link bandwidth")
+    c.add_argument("--no-distributed-optimizer", action="store_true",
+                   help="optimizer state not sharded over DP (18 bytes/parameter everywhere)")
+    s = p.add_argument_group("search")
+    s.add_argument("--schedules", default=",".join(PAPER_SCHEDULES),
+                   help=f"comma-separated, or 'all' ({', '.join(planner_schedule_names())})")
+    s.add_argument("--tp", type=_int_list, help="TP sizes to try (default: every divisor up to 8)")
+    s.add_argument("--pp", type=_int_list, help="PP sizes to try (default: every divisor >= 2)")
+    s.add_argument("--dp", type=_int_list, help="DP sizes to try (default: what is left)")
+    s.add_argument("--micro-batch", type=_int_list, default=[1, 2, 4, 8], help="microbatch sizes (default 1,2,4,8)")
+    s.add_argument("--all", action="store_true", help="also print every configuration evaluated")
+    s.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
+    return p
+
+
+def model_from_args(args) -> GPTModel:
+    shape = (args.layers, args.hidden, args.heads)
+    if args.model and any(v is not None for v in shape):
+        raise UsageError("give either --model or --layers/--hidden/--heads, not both")
+    if args.model:
+        model = get_model(args.model)
+        return model.with_seq(args.seq) if args.seq else model
+    if any(v is None for v in shape):
+        raise UsageError("give --model PRESET or all of --layers, --hidden and --heads")
+    return GPTModel("custom", args.layers, args.hidden, args.heads, args.seq or 1024, args.vocab)
+
+
+def cost_model_from_args(args) -> CostModel:
+    gpu = get_gpu(args.gpu)
+    if args.efficiency is not None and args.calibrate_f_ms is not None:
+        raise UsageError("give either --efficiency or --calibrate-f-ms, not both")
+    if args.efficiency is not None:
+        efficiency = args.efficiency
+    else:
+        ms = PAPER_F_MS if args.calibrate_f_ms is None else args.calibrate_f_ms
+        reference_gpu = get_gpu("a100") if args.calibrate_f_ms is None else gpu
+        efficiency = calibrate_efficiency(reference_gpu, get_model(args.calibrate_model),
+                                          args.calibrate_micro_batch, ms / 1e3, args.calibrate_layers)
+    return CostModel(gpu, efficiency, args.bandwidth_efficiency, not args.no_distributed_optimizer)
+
+
+def _schedules(text: str) -> list[str]:
+    names = planner_schedule_names() if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        split_name(name)
+    return names
+
+
+def _row(pred: Prediction) -> str:
+    mem = pred.memory
+    flag = "  OOM" if pred.oom else ""
+    return (f"{str(pred.layout):24s} MFU {pred.mfu:6.2%}  bubble {pred.bubble_rate:6.2%}  "
+            f"iter {pred.iteration_time:7.2f} s  peak {mem.peak / 2**30:5.1f} GiB "
+            f"(activations {mem.peak_activation / 2**30:5.1f}){flag}")
+
+
+def report(results: list[ScheduleSearch], show_all: bool) -> str:
+    lines = []
+    for found in sorted(results, key=lambda r: -(r.best.mfu if r.best else -1)):
+        head = f"{found.schedule:17s}"
+        lines.append(head + (_row(found.best) if found.best else found.reason)
+                     + f"   [{len(found.evaluated)} simulated, {found.skipped} pruned]")
+        if show_all:
+            lines.extend("    " + _row(p) for p in sorted(found.evaluated, key=lambda p: -p.mfu))
+    return "\n".join(lines)
+
+
+def run(args) -> list[ScheduleSearch]:
+    model = model_from_args(args)
+    cost_model = cost_model_from_args(args)
+    if args.gpus < 2 or args.global_batch < 1:
+        raise UsageError("--gpus must be >= 2 and --global-batch >= 1")
+    grid = Grid(args.tp, args.pp, args.dp, tuple(args.micro_batch))
+    return search(_schedules(args.schedules), model, cost_model, args.gpus, args.global_batch, grid,
+                  args.flash_attention)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        results = run(args)
+    except (UsageError, ValueError, ScheduleError) as error:
+        print(f"vshape plan: error: {error}", file=sys.stderr)
+        return 2
+    model, cost_model = model_from_args(args), cost_model_from_args(args)
+    print(f"{model.name} ({model.total_params / 1e9:.1f}B parameters, seq {model.seq_length}) on "
+          f"{args.gpus} x {cost_model.gpu.name}, global batch {args.global_batch}, "
+          f"{cost_model.efficiency:.1%} of peak per pass")
+    print(report(results, args.all))
+    if args.json:
+        records = [{"schedule": r.schedule, "best": r.best.to_json() if r.best else None, "reason": r.reason,
+                    "evaluated": [p.to_json() for p in r.evaluated]} for r in results]
+        args.json.write_text(json.dumps(records, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""GPU specifications the cost model needs (dense bf16 peak, HBM, NVLink, inter-node bandwidth).
+
+Bandwidths are per GPU and per direction, as vendors quote them; the cost model applies an
+achievable fraction (``CostModel.bandwidth_efficiency``) on top, so these stay datasheet numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    memory_bytes: float  # HBM capacity
+    hbm_bandwidth: float  # bytes/s (optimizer step is memory-bound)
+    nvlink_bandwidth: float  # bytes/s per direction, within a node
+    internode_bandwidth: float  # bytes/s per direction per GPU (one NIC per GPU)
+    gpus_per_node: int = 8
+
+
+GPUS: dict[str, GPU] = {
+    # A100 SXM 80 GB: 312 TFLOP/s bf16, 2.0 TB/s HBM2e, NVLink3 600 GB/s bidirectional, HDR 200 Gb/s NIC.
+    "a100": GPU("A100 80GB", 312e12, 80 * GIB, 2.0e12, 300e9, 25e9),
+    # H100 SXM 80 GB: 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink4 900 GB/s bidirectional, NDR 400 Gb/s NIC.
+    "h100": GPU("H100 80GB", 989e12, 80 * GIB, 3.35e12, 450e9, 50e9),
+    # H200 141 GB: H100's compute with 4.8 TB/s HBM3e.
+    "h200": GPU("H200 141GB", 989e12, 141 * GIB, 4.8e12, 450e9, 50e9),
+}
+
+
+def get_gpu(name: str) -> GPU:
+    gpu = GPUS.get(name.lower())
+    if gpu is None:
+        raise ValueError(f"--gpu: unknown GPU {name!r}; choose one of: {', '.join(GPUS)}")
+    return gpu

@@ -1,0 +1,133 @@
+"""Grid search over DP x TP x PP x microbatch size per schedule, like the paper's hybrid runs.
+
+Branch and bound: every candidate gets a cheap upper bound on its MFU (no pipeline bubble);
+candidates are simulated best-bound first, and the search for a schedule stops as soon as the
+best feasible MFU found beats every remaining bound. Configurations whose static memory alone
+(weights, grads, optimizer state) exceeds the GPU are dropped before any simulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..schedules import SCHEDULES, ScheduleError
+from .costs import CostModel
+from .layout import Layout
+from .memory import RESERVED_BYTES, bytes_per_param
+from .model import GPTModel
+from .predict import Prediction, chunk_costs, num_stages, predict, split_name
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The values the search tries; ``None`` means every valid value."""
+
+    tp: Sequence[int] | None = None
+    pp: Sequence[int] | None = None
+    dp: Sequence[int] | None = None
+    micro_batch: Sequence[int] = (1, 2, 4, 8)
+
+
+@dataclass
+class ScheduleSearch:
+    schedule: str
+    best: Prediction | None = None
+    evaluated: list[Prediction] = field(default_factory=list)
+    skipped: int = 0  # candidates pruned by the bound or by static memory
+
+    @property
+    def reason(self) -> str:
+        if self.best is not None:
+            return ""
+        return "every configuration is out of memory" if self.evaluated else "no valid configuration"
+
+
+def layouts(model: GPTModel, gpus: int, global_batch: int, grid: Grid, gpus_per_node: int) -> Iterable[Layout]:
+    def allowed(value: int, choices) -> bool:
+        return choices is None or value in choices
+
+    for tp in (t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and gpus % t == 0 and allowed(t, grid.tp)):
+        for pp in (p for p in range(2, gpus // tp + 1) if (gpus // tp) % p == 0 and allowed(p, grid.pp)):
+            dp = gpus // (tp * pp)
+            if not allowed(dp, grid.dp):
+                continue
+            for mb in grid.micro_batch:
+                if global_batch % (dp * mb) == 0:
+                    yield Layout(dp, tp, pp, mb, global_batch)
+
+
+def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostModel) -> float:
+    """MFU if the pipeline had no bubble except its fill.
+
+    Iteration >= (time before the last device can start) + work per device + DP sync + step:
+    the last pipeline device waits for the first microbatch's forwards (and messages) through
+    every earlier device.
+    """
+    _, recompute = split_name(name)
+    stages = num_stages(name, layout.pp)
+    times = cost_model.pass_times(model, layout)
+    costs = chunk_costs(times, model, stages, recompute, layout.pp)
+    work = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches  # two V chunks' worth per device
+    forward_per_device = costs.f * 2 * layout.pp / stages  # one F over the device's first stage
+    fill = (layout.pp - 1) * (forward_per_device + costs.comm)
+    iteration = fill + work + times.dp_sync + times.optimizer
+    return model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.gpu.peak_flops)
+
+
+def _static_fits(layout: Layout, model: GPTModel, cost_model: CostModel) -> bool:
+    per_param = bytes_per_param(layout.dp, cost_model.distributed_optimizer)
+    static = model.layers * model.layer_params / (layout.tp * layout.pp) * per_param
+    return static < cost_model.gpu.memory_bytes - RESERVED_BYTES
+
+
+def _runnable(name: str, layout: Layout, model: GPTModel) -> bool:
+    base, _ = split_name(name)
+    if layout.num_microbatches < SCHEDULES[base].min_microbatches(layout.pp):
+        return False
+    return layout.problem(model, num_stages(name, layout.pp)) is None
+
+
+def search(schedules: Sequence[str], model: GPTModel, cost_model: CostModel, gpus: int, global_batch: int,
+           grid: Grid = Grid(), flash_attention: bool = False) -> list[ScheduleSearch]:
+    for name in schedules:
+        split_name(name)  # fail fast on a bad name, before any simulation
+    candidates = list(layouts(model, gpus, global_batch, grid, cost_model.gpu.gpus_per_node))
+    return [_search_one(name, candidates, model, cost_model, flash_attention) for name in schedules]
+
+
+def _search_one(name, candidates, model, cost_model, flash_attention) -> ScheduleSearch:
+    found = ScheduleSearch(name)
+    viable = [c for c in candidates if _runnable(name, c, model)]
+    fitting = [c for c in viable if _static_fits(c, model, cost_model)]
+    found.skipped = len(viable) - len(fitting)
+    ranked = sorted(fitting, key=lambda c: -_upper_bound(name, c, model, cost_model))
+    out_of_memory: list[Layout] = []
+    for index, layout in enumerate(ranked):
+        if found.best is not None and _upper_bound(name, layout, model, cost_model) <= found.best.mfu:
+            found.skipped += len(ranked) - index
+            break
+        if any(_dominated(layout, smaller) for smaller in out_of_memory):
+            found.skipped += 1
+            continue
+        try:
+            prediction = predict(name, layout, model, cost_model, flash_attention)
+        except ScheduleError:
+            found.skipped += 1  # e.g. a generator that cannot meet its memory cap at this size
+            continue
+        found.evaluated.append(prediction)
+        if prediction.oom:
+            out_of_memory.append(layout)
+        if not prediction.oom and (found.best is None or prediction.mfu > found.best.mfu):
+            found.best = prediction
+    return found
+
+
+def _dominated(layout: Layout, oom: Layout) -> bool:
+    """A bigger microbatch on a layout already out of memory, with the pipeline still full.
+
+    Activations grow with the microbatch size, and once there are at least as many microbatches
+    as pipeline devices the number in flight no longer shrinks, so memory only grows.
+    """
+    same_split = (layout.dp, layout.tp, layout.pp) == (oom.dp, oom.tp, oom.pp)
+    return same_split and layout.micro_batch > oom.micro_batch and layout.num_microbatches >= layout.pp
