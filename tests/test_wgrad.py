@@ -450,3 +450,18 @@ def test_bench_script_rejects_bad_sizes_naming_the_flags():
                           text=True, timeout=50)
     assert proc.returncode == 2
     assert "--hidden 30 must be a multiple of --heads 4" in proc.stderr
+
+
+def test_deferred_grad_refuses_a_copied_weight():
+    """Saved-tensor hooks hand backward a copy of the weight: landing the gradient there would
+    lose it silently, so the W pass must refuse."""
+    import torch
+
+    from megatron_vshape.runtime.wgrad import WgradError, _accumulate
+
+    param = torch.nn.Parameter(torch.zeros(2, 2))
+    _accumulate(param, torch.ones(2, 2))
+    _accumulate(param, torch.ones(2, 2))
+    assert torch.equal(param.grad, torch.full((2, 2), 2.0))
+    with pytest.raises(WgradError, match="saved-tensor hooks"):
+        _accumulate(param.detach().clone(), torch.ones(2, 2))

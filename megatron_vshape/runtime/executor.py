@@ -63,36 +63,41 @@ PlanTransform = Callable[[DevicePlan], DevicePlan]
 class WeightGradAdapter:
     """The executor's view of the weight-gradient store of ``runtime/wgrad.py``.
 
-    Without that module (or before it exists) B computes the full backward and W does nothing,
-    which is gradient-exact but does not move weight-gradient work or memory into W.
+    Created lazily, on the first B that defers its W: fused schedules never install the split hook.
+    Without that module B computes the full backward and W does nothing, which is gradient-exact
+    but does not move weight-gradient work or memory into W.
     """
 
     def __init__(self):
-        try:
-            from . import wgrad
-        except ImportError:
-            self._store = None
-            return
-        wgrad.enable_wgrad_split()
-        self._store = wgrad.WeightGradStore()
+        self._store = None
+        self._loaded = False
 
-    @property
-    def splits(self) -> bool:
-        return self._store is not None
+    def _get(self):
+        if not self._loaded:
+            self._loaded = True
+            try:
+                from . import wgrad
+            except ImportError:
+                return None
+            wgrad.enable_wgrad_split()
+            self._store = wgrad.WeightGradStore()
+        return self._store
 
     def capture(self, key):
-        return self._store.capture(key) if self._store is not None else contextlib.nullcontext()
+        store = self._get()
+        return store.capture(key) if store is not None else contextlib.nullcontext()
 
     def run(self, key) -> None:
-        if self._store is not None:
-            self._store.run(key)
+        store = self._get()
+        if store is not None:
+            store.run(key)
 
     def pending(self) -> list:
         return list(self._store.pending()) if self._store is not None else []
 
     def check_models(self, models, schedule_name: str) -> None:
         """Reject DDP settings the split cannot honour (raises before any compute)."""
-        if self._store is None:
+        if self._get() is None:
             return
         from . import wgrad
 
@@ -202,6 +207,9 @@ class ScheduleExecutor:
     ):
         if adjust_tensor_shapes_fn is not None:
             raise ValueError("adjust_tensor_shapes_fn is not supported by the vshape executor; pass None")
+        first = model[0] if isinstance(model, list) else model
+        if getattr(getattr(first, "config", None), "defer_embedding_wgrad_compute", False):
+            raise ValueError("--defer-embedding-wgrad-compute is not supported with --pipeline-schedule; drop it")
         models = model if isinstance(model, list) else [model]
         run = _Iteration(self, forward_step_func, data_iterator, models, num_microbatches,
                          seq_length, micro_batch_size, forward_only, collect_non_loss_data,

@@ -201,7 +201,15 @@ def _accumulate(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None:
         main_grad.add_(grad_weight)
-    elif weight.grad is None:
+        return
+    if not isinstance(weight, torch.nn.Parameter):
+        # Under saved_tensors_hooks (e.g. activation offloading) autograd hands backward a copy of
+        # the saved weight: a gradient written into the copy's .grad would be lost silently.
+        raise WgradError(
+            "deferred weight gradient has no parameter to land in (saved-tensor hooks such as "
+            "activation offloading are active); turn them off or use a schedule without B/W split"
+        )
+    if weight.grad is None:
         weight.grad = grad_weight
     else:
         weight.grad.add_(grad_weight)
