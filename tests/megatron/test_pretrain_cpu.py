@@ -125,3 +125,28 @@ def test_checkpoint_from_v_half_resumes_under_other_schedules(runs, resumed):
     # so iteration 5 is compared through the gradient norm (the weights after the first resumed step).
     own_norms, resumed_norms = dict(GRAD_NORM.findall(runs["1f1b"])), dict(GRAD_NORM.findall(runs[resumed]))
     assert resumed_norms["4"] == own_norms["4"] and resumed_norms["5"] == own_norms["5"]
+
+
+@pytest.mark.timeout(180)
+def test_bad_config_fails_on_every_rank_with_one_line_and_no_hang(mc19_python):
+    """Each rank is started by hand (torchrun would kill the slower rank as soon as one fails)."""
+    script = str(ROOT / "scripts" / "pretrain_gpt.py")
+    args = with_values(TINY, {"--pipeline-model-parallel-size": "2", "--num-layers": "6"})  # 6 % (2 x PP) != 0
+    port, world = free_port(), 2
+    procs = [subprocess.Popen([mc19_python, script, "--pipeline-schedule", "v-half", *args], cwd=ROOT,
+                              env=cpu_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(world)]
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 2, out[-3000:]
+        errors = [ln for ln in out.splitlines() if "megatron-vshape error:" in ln]
+        assert errors == ["megatron-vshape error: --num-layers 6 must be divisible by 2 x "
+                          "--pipeline-model-parallel-size = 4 for v-half (two V chunks per rank); use a multiple of 4"]
