@@ -163,7 +163,8 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
     on any device, and never a longer makespan under ``costs`` than the plain squeeze."""
     repeated = block.repeat(num_microbatches, name)
     squeezed = simulate(repeated, costs)
-    reordered = fill_idle(repeated, costs, list(squeezed.peak_memory), lookahead=2 * block.placement.num_devices)
-    result = simulate(reordered, costs)
-    fits = all(new <= old + 1e-9 for new, old in zip(result.peak_memory, squeezed.peak_memory))
-    return reordered if fits and result.makespan < squeezed.makespan - 1e-9 else repeated
+    reordered, makespan, reached = fill_idle(
+        repeated, costs, list(squeezed.peak_memory), lookahead=2 * block.placement.num_devices
+    )
+    fits = all(new <= old + 1e-9 for new, old in zip(reached, squeezed.peak_memory))
+    return reordered if fits and makespan < squeezed.makespan - 1e-9 else repeated

@@ -18,8 +18,14 @@ from .schedule import Costs, Schedule
 _EPS = 1e-9
 
 
-def fill_idle(schedule: Schedule, costs: Costs, peaks: list[float], lookahead: int) -> Schedule:
-    """A new order for ``schedule`` (same passes) that fills waits with ready passes."""
+def fill_idle(
+    schedule: Schedule, costs: Costs, peaks: list[float], lookahead: int
+) -> tuple[Schedule, float, list[float]]:
+    """A new order for ``schedule`` (same passes) that fills waits with ready passes.
+
+    Returns the new schedule with the makespan and per-device peak of the replay that built it
+    (the replay starts every pass as soon as its device and inputs allow, like the simulator).
+    """
     placement = schedule.placement
     num_stages = schedule.num_stages
     activation = schedule.activation()
@@ -29,6 +35,8 @@ def fill_idle(schedule: Schedule, costs: Costs, peaks: list[float], lookahead: i
     free_at = [0.0] * schedule.num_devices
     memory = [0.0] * schedule.num_devices
     order: list[list[Action]] = [[] for _ in schedule.programs]
+    first_start: list[float | None] = [None] * schedule.num_devices
+    reached = [0.0] * schedule.num_devices
     events = [0.0]
     now = 0.0
     left = sum(len(p) for p in remaining)
@@ -71,6 +79,9 @@ def fill_idle(schedule: Schedule, costs: Costs, peaks: list[float], lookahead: i
             end_time[action] = end
             free_at[device] = end
             memory[device] += delta[action.kind]
+            reached[device] = max(reached[device], memory[device])
+            if first_start[device] is None:
+                first_start[device] = now
             order[device].append(action)
             heapq.heappush(events, end)
             heapq.heappush(events, end + costs.comm)
@@ -81,5 +92,7 @@ def fill_idle(schedule: Schedule, costs: Costs, peaks: list[float], lookahead: i
             raise RuntimeError(f"{schedule.name}: reorder stalled")
         if events:
             now = events[0]
-    return Schedule(schedule.name, placement, schedule.num_microbatches, tuple(map(tuple, order)),
-                    dict(schedule.meta), schedule.fused_backward)
+    reordered = Schedule(schedule.name, placement, schedule.num_microbatches, tuple(map(tuple, order)),
+                         dict(schedule.meta), schedule.fused_backward)
+    makespan = max(free_at[d] - (first_start[d] or 0.0) for d in range(schedule.num_devices))
+    return reordered, makespan, reached

@@ -90,25 +90,27 @@ class GreedyFamily:
 def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
     """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory).
 
-    Large problems rank the variants on a smaller pipeline (at most 16 devices, 4 microbatches
+    Large problems rank the variants on a smaller pipeline (at most 8 devices, 4 microbatches
     per device: the steady state decides the winner there too) and build only the best at
     full size; a winner that stalls at full size hands over to the next.
     """
     if num_devices * num_microbatches <= _PROXY_CELLS:
         ranked = _rank(family, num_devices, num_microbatches, costs, _variants(family, num_devices, costs))
-    else:
-        proxy_d = min(num_devices, 16)
-        proxy = _rank(family, proxy_d, min(num_microbatches, 4 * proxy_d), costs, _variants(family, proxy_d, costs))
-        order = [index for _, index, _ in proxy]
-        full_variants = _variants(family, num_devices, costs)
-        ranked = []
-        for index in order:
-            ranked = _rank(family, num_devices, num_microbatches, costs, [full_variants[index]])
-            if ranked:
-                break
-    if not ranked:
-        raise ScheduleError(f"{family.name}: no variant of the greedy scheduler fits the memory caps")
-    return ranked[0][2]
+        if not ranked:
+            raise ScheduleError(f"{family.name}: no variant of the greedy scheduler fits the memory caps")
+        return ranked[0][2]
+    proxy_d = min(num_devices, 8)
+    proxy = _rank(family, proxy_d, min(num_microbatches, 4 * proxy_d), costs, _variants(family, proxy_d, costs))
+    full_variants = _variants(family, num_devices, costs)
+    placement, caps = family.placement(num_devices), family.memory_caps(num_devices)
+    for _, index, _ in proxy:
+        variant = full_variants[index]
+        config = GreedyConfig(caps, variant.priority, variant.inflight_limits, variant.admission, variant.wait_window)
+        try:
+            return greedy_schedule(family.name, placement, num_microbatches, costs, config)
+        except ScheduleError:
+            continue  # the proxy's winner stalls at full size: take the next one
+    raise ScheduleError(f"{family.name}: no variant of the greedy scheduler fits the memory caps")
 
 
 def _rank(family: GreedyFamily, num_devices, num_microbatches, costs, variants):
