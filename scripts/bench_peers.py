@@ -1,0 +1,308 @@
+"""Iteration time of the vshape executor against PyTorch's own V schedules, on the same GPT chunks.
+
+    python scripts/bench_peers.py [--microbatches 8] [--iters 10] [--json FILE]
+
+Two CPU ranks (gloo, one thread each), a megatron-core GPT (local spec, fp32, dropout off) cut into
+4 stages placed as a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2. Rows, timed round-robin
+in one process group (median over ``--iters`` after ``--warmup``; each iteration's time is the
+slowest rank's):
+
+* ``torch-zbv`` / ``torch-dualpipev``: ``torch.distributed.pipelining``'s ``ScheduleZBVZeroBubble``
+  and ``ScheduleDualPipeV`` driving ``PipelineStage``\\ s whose modules are the same megatron GPT
+  chunks (a thin adapter turns a chunk into ``forward(tensor) -> tensor``; loss = mean token
+  cross entropy over fp32 logits).
+* ``vshape-<schedule>`` (default v-zb, v-half, 1f1b): the vshape executor on the same chunks,
+  built and timed as in ``scripts/bench_runtime.py`` (DDP-wrapped, megatron's loss function).
+
+What differs, on purpose: PyTorch splits the backward generically (autograd from saved
+intermediates to the weights), which re-runs a custom autograd Function's whole backward in W. So
+the PyTorch-side chunks compute their linear layers with ``torch.nn.functional.linear`` (native
+autograd: B computes only input gradients, W only weight gradients) instead of megatron's
+``LinearWithGradAccumulationAndAsyncCommunication``, which the vshape executor splits with its own
+weight-gradient store. Same weights shapes, same FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ itself: reuse bench_runtime
+
+import bench_runtime  # noqa: E402
+
+from megatron_vshape.schedules import Costs  # noqa: E402
+from megatron_vshape.verify import (  # noqa: E402
+    ModelSettings,
+    build_gpt,
+    forward_step,
+    make_config,
+    microbatch,
+    spawn,
+)
+
+TORCH_SCHEDULES = {"torch-zbv": "ScheduleZBVZeroBubble", "torch-dualpipev": "ScheduleDualPipeV"}
+DEFAULT_OURS = ("v-zb", "v-half", "1f1b")
+REFERENCE_ROW = "torch-zbv"
+
+
+def _native_linear(input, weight, bias=None, **_unused):
+    import torch
+
+    return torch.nn.functional.linear(input, weight, bias)
+
+
+def _use_native_linears(module) -> int:
+    """Route every megatron parallel linear of ``module`` through F.linear (see module docstring)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+            sub._forward_impl = _native_linear  # instance attribute shadows the method
+            count += 1
+    return count
+
+
+def _stage_adapter(chunk, model: ModelSettings):
+    """A chunk as ``forward(x) -> y`` for PipelineStage: tokens or hidden [s, b, h] in, hidden or logits out."""
+    import torch
+
+    class ChunkStage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.chunk = chunk
+            seq = model.seq_length
+            self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None],
+                                 persistent=False)
+
+        def forward(self, x):
+            if chunk.pre_process:
+                batch, seq = x.shape
+                positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+                return self.chunk(x, positions, self.mask)
+            self.chunk.set_input_tensor(x)
+            return self.chunk(None, None, self.mask)
+
+    return ChunkStage()
+
+
+def _token_loss(logits, labels):
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _build_torch_row(name, model, world_size, pp_rank, microbatches):
+    import torch
+    from torch.distributed import pipelining
+
+    from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
+
+    placement = build_forward_backward_func("v-zb").schedule(world_size, microbatches).placement
+    config = make_config(model, world_size, 1, placement.chunks_per_device, False)
+    chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
+        config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
+    modules = []
+    stages = []
+    for chunk, stage_index in zip(chunks, placement.stages_per_device[pp_rank]):
+        _use_native_linears(chunk)
+        module = _stage_adapter(chunk, model)
+        modules.append(module)
+        stages.append(pipelining.PipelineStage(module, stage_index, placement.num_stages, torch.device("cpu")))
+    schedule_cls = getattr(pipelining, TORCH_SCHEDULES[name])
+    schedule = schedule_cls(stages, n_microbatches=microbatches, loss_fn=_token_loss)
+    return schedule, modules, placement
+
+
+def _time_torch_iteration(schedule, modules, placement, pp_rank, batch) -> tuple[float, float]:
+    import time
+
+    import torch
+
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    args, kwargs = [], {}
+    if placement.device_of(0) == pp_rank:
+        args = [batch["tokens"]]
+    if placement.device_of(placement.num_stages - 1) == pp_rank:
+        kwargs["target"] = batch["labels"]
+    torch.distributed.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    schedule.step(*args, **kwargs)
+    elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64)
+    torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+    return elapsed[0].item(), elapsed[1].item()
+
+
+def _worker(rank, world_size, model: ModelSettings, ours, torch_rows, microbatches, warmup, iters, measure_costs):
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, world_size)
+    model_parallel_cuda_manual_seed(model.seed)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    data = [dict(microbatch(model, i), index=i) for i in range(microbatches)]
+    batch = {key: torch.cat([d[key] for d in data]) for key in ("tokens", "labels")}
+    costs = (bench_runtime._measure_costs(model, world_size, pp_rank, microbatches, data)
+             if measure_costs else Costs())
+    runners, built = _build_runners(model, ours, torch_rows, world_size, pp_rank, microbatches, costs, data, batch)
+    check = _compare_with_torch(built, data, batch, model, microbatches, pp_rank) if (
+        "v-zb" in built and REFERENCE_ROW in built) else None
+    rows = {name: {"wall_s": [], "cpu_s": []} for name in runners}
+    # Round-robin each iteration, so that load changing over time (shared machine) hits all rows alike.
+    for step in range(warmup + iters):
+        for name, run in runners.items():
+            wall, cpu = run()
+            if step >= warmup:
+                rows[name]["wall_s"].append(wall)
+                rows[name]["cpu_s"].append(cpu)
+    parallel_state.destroy_model_parallel()
+    return {"rows": rows, "costs": vars(costs), "check": check}
+
+
+def _build_runners(model, ours, torch_rows, world_size, pp_rank, microbatches, costs, data, batch):
+    """{row name: callable timing one iteration} in table order, and the built objects by schedule."""
+    runners, built = {}, {}
+    for name in ours:
+        func, ddp = built[name] = bench_runtime._build_row(name, model, world_size, pp_rank, microbatches, costs)
+        runners[f"vshape-{name}"] = lambda f=func, d=ddp: bench_runtime._time_iteration(f, d, data, model, microbatches)
+    for name in torch_rows:
+        schedule, modules, placement = built[name] = _build_torch_row(name, model, world_size, pp_rank, microbatches)
+        if "v-zb" in built:  # same weights as the vshape V-ZB row, to check both compute the same thing
+            for module, ddp_chunk in zip(modules, built["v-zb"][1]):
+                module.chunk.load_state_dict(ddp_chunk.module.state_dict())
+        runners[name] = lambda s=schedule, m=modules, p=placement: _time_torch_iteration(s, m, p, pp_rank, batch)
+    order = (*torch_rows, *(f"vshape-{n}" for n in ours))
+    return {name: runners[name] for name in order}, built
+
+
+def _compare_with_torch(built, data, batch, model, microbatches, pp_rank) -> dict:
+    """One iteration of torch-zbv and vshape-v-zb on equal weights: largest loss and gradient differences.
+
+    Evidence that the two sides run the same layers: per-microbatch losses and every parameter
+    gradient (PyTorch's ``.grad`` vs megatron DDP's ``main_grad``) must agree up to fp32 rounding.
+    """
+    import torch
+
+    schedule, modules, placement = built[REFERENCE_ROW]
+    func, ddp = built["v-zb"]
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    for m in ddp:
+        m.zero_grad_buffer()
+    torch_losses: list = []
+    args = [batch["tokens"]] if placement.device_of(0) == pp_rank else []
+    last = placement.device_of(placement.num_stages - 1) == pp_rank
+    schedule.step(*args, **({"target": batch["labels"], "losses": torch_losses} if last else {}))
+    store = func(forward_step_func=forward_step, data_iterator=[iter(data) for _ in ddp], model=ddp,
+                 num_microbatches=microbatches, seq_length=model.seq_length, micro_batch_size=model.micro_batch_size)
+    loss_err = max((abs(t.item() - item["lm loss"].item()) for t, item in zip(torch_losses, store)), default=0.0)
+    grad_err = 0.0
+    for module, ddp_chunk in zip(modules, ddp):
+        ours = dict(ddp_chunk.module.named_parameters())
+        for name, param in module.chunk.named_parameters():
+            want = ours[name].main_grad.double()
+            diff = (param.grad.double() - want).norm().item()
+            grad_err = max(grad_err, diff / max(want.norm().item(), 1e-30))
+    errs = torch.tensor([loss_err, grad_err], dtype=torch.float64)
+    torch.distributed.all_reduce(errs, op=torch.distributed.ReduceOp.MAX)
+    return {"max_loss_abs_diff": errs[0].item(), "max_grad_rel_diff": errs[1].item(),
+            "num_losses_compared": len(store) if last else 0}
+
+
+def summarize(rows: dict) -> list[dict]:
+    """One record per row: median wall/cpu seconds and the wall-time ratio to PyTorch's ZBV."""
+    medians = {name: statistics.median(t["wall_s"]) for name, t in rows.items()}
+    ref = medians.get(REFERENCE_ROW)
+    return [{"system": name, "median_ms": medians[name] * 1000,
+             "median_cpu_ms": statistics.median(times["cpu_s"]) * 1000,
+             "ratio_to_torch_zbv": medians[name] / ref if ref else None,
+             "paired_ratio_to_torch_zbv": _paired_ratio(times["wall_s"], rows[REFERENCE_ROW]["wall_s"]) if ref else None,
+             **times}
+            for name, times in rows.items()]
+
+
+def _paired_ratio(times: list[float], reference: list[float]) -> float:
+    """Median over iterations of time / torch-zbv's time in the same round: robust to load drifting."""
+    return statistics.median(t / r for t, r in zip(times, reference))
+
+
+def format_table(records: list[dict]) -> str:
+    lines = ["| system | median ms / iteration | busiest rank CPU ms | time / torch-zbv (medians) "
+             "| time / torch-zbv (paired, median) |", "|---|---|---|---|---|"]
+    for r in records:
+        ratios = [f"{r[key]:.3f}" if r[key] is not None else "-"
+                  for key in ("ratio_to_torch_zbv", "paired_ratio_to_torch_zbv")]
+        lines.append(f"| {r['system']} | {r['median_ms']:.1f} | {r['median_cpu_ms']:.1f} | {' | '.join(ratios)} |")
+    return "\n".join(lines)
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--ours", default=",".join(DEFAULT_OURS), help="vshape schedules to time")
+    parser.add_argument("--torch", default=",".join(TORCH_SCHEDULES), help=f"of: {', '.join(TORCH_SCHEDULES)}")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--unit-costs", action="store_true",
+                        help="build vshape schedules with F=B=W instead of F/B/W times measured on a V-ZB run")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    from megatron_vshape.schedules import SCHEDULES
+
+    ours = tuple(s for s in args.ours.split(",") if s)
+    torch_rows = tuple(s for s in args.torch.split(",") if s)
+    if unknown := [s for s in ours if s not in SCHEDULES]:
+        parser.error(f"--ours: unknown {unknown}; choose from {', '.join(SCHEDULES)}")
+    if unknown := [s for s in torch_rows if s not in TORCH_SCHEDULES]:
+        parser.error(f"--torch: unknown {unknown}; choose from {', '.join(TORCH_SCHEDULES)}")
+    if args.layers % 4:
+        parser.error("--layers must be a multiple of 4 (4 stages on 2 ranks)")
+    if args.microbatches < 4:
+        parser.error("--microbatches must be >= 4 (PyTorch's V schedules need at least one per stage)")
+    if args.hidden % args.heads:
+        parser.error("--hidden must be a multiple of --heads")
+    return args, ours, torch_rows
+
+
+def main(argv=None) -> int:
+    args, ours, torch_rows = _parse(argv)
+    model = replace(ModelSettings(), num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                    seq_length=args.seq, vocab_size=args.vocab, micro_batch_size=1)
+    (result, *_) = spawn(_worker, 2, (model, ours, torch_rows, args.microbatches, args.warmup, args.iters,
+                                      not args.unit_costs), timeout=args.timeout)
+    records = summarize(result["rows"])
+    print(f"pp=2 (4 stages, V) m={args.microbatches} layers={args.layers} hidden={args.hidden} seq={args.seq} "
+          f"vocab={args.vocab}; median of {args.iters} after {args.warmup} warm-up, slowest rank; "
+          f"vshape costs {result['costs']}")
+    print(format_table(records))
+    if result["check"] is not None:
+        print(f"torch-zbv vs vshape-v-zb on equal weights: {result['check']}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"config": vars(args), "costs": result["costs"], "check": result["check"], "rows": records},
+                      handle, indent=2)
+    check = result["check"]
+    if check is not None and (check["max_loss_abs_diff"] > 1e-4 or check["max_grad_rel_diff"] > 1e-4):
+        print("torch-zbv and vshape-v-zb disagree: the two sides do not compute the same thing", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
