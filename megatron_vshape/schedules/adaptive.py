@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .actions import Kind
-from .blocks import BuildingBlock, schedule_from_block
+from .blocks import BuildingBlock, fill_w, schedule_from_block
 from .schedule import Costs, Placement, Schedule, ScheduleError
 from .simulator import simulate
 from .v_schedules import V_INTERVAL, v_half_block, v_min_block
@@ -150,35 +150,12 @@ def _collision_free_joins(legs: tuple[tuple[int, ...], ...]):
 
 
 def _block(placement: Placement, starts: list[tuple[int, int, int, int]]) -> BuildingBlock:
-    """Block from F/B starts; W of each stage in one of the device's two free slots after its B.
-
-    Same rule as ``blocks.fill_w`` (lowest steady peak, then shortest lifespans), scored per
-    device: the devices do not interact, and scoring locally is what makes enumerating
-    hundreds of blocks affordable.
-    """
-    interval = V_INTERVAL
+    """Block from per-device F/B starts [F chunk0, F chunk1, B chunk1, B chunk0]; W by ``fill_w``."""
     offsets = {}
     for device, (f0, f1, b1, b0) in enumerate(starts):
         chunk0, chunk1 = placement.stages_per_device[device]
         offsets.update({(Kind.F, chunk0): f0, (Kind.F, chunk1): f1, (Kind.B, chunk1): b1, (Kind.B, chunk0): b0})
-        free = [r for r in range(interval) if r not in {x % interval for x in (f0, f1, b1, b0)}]
-        best_key, best_w = None, None
-        for r0, r1 in itertools.permutations(free, 2):
-            w0 = b0 + 1 + (r0 - b0 - 1) % interval
-            w1 = b1 + 1 + (r1 - b1 - 1) % interval
-            key = (_steady_live(((f0, w0 + 1), (f1, w1 + 1)), interval), w0 - f0 + w1 - f1)
-            if best_key is None or key < best_key:
-                best_key, best_w = key, (w0, w1)
-        offsets[(Kind.W, chunk0)], offsets[(Kind.W, chunk1)] = best_w
-    return BuildingBlock(placement, interval, offsets)
-
-
-def _steady_live(windows, interval: int) -> int:
-    """Most copies of the windows [start, end) alive at once when repeated every ``interval``."""
-    return max(
-        sum((tau - start) // interval - (tau - end) // interval for start, end in windows)
-        for tau in range(interval)
-    )
+    return fill_w(placement, V_INTERVAL, offsets)
 
 
 def _order_key(block: BuildingBlock) -> tuple:

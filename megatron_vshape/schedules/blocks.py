@@ -53,16 +53,11 @@ class BuildingBlock:
     def steady_peak(self) -> list[float]:
         """Per device: the exact peak activation when the block repeats forever."""
         activation = self.placement.layer_scale / 2.0
-        peaks = []
-        for stages in self.placement.stages_per_device:
-            windows = [(self.offsets[(Kind.F, s)], self.end(Kind.W, s)) for s in stages]
-            horizon = max(end for _, end in windows) + self.interval
-            peak = 0
-            for tau in range(horizon, horizon + self.interval):
-                live = sum(_live_copies(start, end, tau, self.interval) for start, end in windows)
-                peak = max(peak, live)
-            peaks.append(peak * activation)
-        return peaks
+        return [
+            steady_live([(self.offsets[(Kind.F, s)], self.end(Kind.W, s)) for s in stages], self.interval)
+            * activation
+            for stages in self.placement.stages_per_device
+        ]
 
     def collisions(self) -> list[str]:
         """Pairs of passes of one device that overlap modulo the interval, and broken dependencies."""
@@ -113,49 +108,39 @@ class BuildingBlock:
         return Schedule(name, self.placement, num_microbatches, tuple(programs))
 
 
-def _live_copies(start: int, end: int, tau: int, interval: int) -> int:
-    """How many k >= 0 satisfy start + k*interval <= tau < end + k*interval."""
-    return sum(1 for k in range(0, tau // interval + 1) if start + k * interval <= tau < end + k * interval)
+def steady_live(windows, interval: int) -> int:
+    """Most copies of the windows [start, end) alive at once when each repeats every ``interval``."""
+    return max(
+        sum((tau - start) // interval - (tau - end) // interval for start, end in windows)
+        for tau in range(interval)
+    )
 
 
 def fill_w(placement: Placement, interval: int, fb_offsets: Mapping[tuple[Kind, int], int]) -> BuildingBlock:
     """Complete a block given only F and B offsets: put each W in a free slot after its B,
-    choosing the assignment with the lowest steady peak (then the shortest lifespans)."""
-    best, best_key = None, None
-    choices_per_device = []
+    choosing per device the assignment with the lowest steady peak (then the shortest lifespans).
+
+    Devices do not interact through W placement, so each is scored on its own stages only;
+    that is what keeps enumerating hundreds of blocks (``v-auto``) affordable.
+    """
+    offsets = dict(fb_offsets)
     for stages in placement.stages_per_device:
         used = {fb_offsets[(k, s)] % interval for s in stages for k in (Kind.F, Kind.B)}
         free = [slot for slot in range(interval) if slot not in used]
         if len(free) < len(stages):
             raise ScheduleError(f"no free slot for W on a device holding stages {stages}")
-        choices_per_device.append([dict(zip(stages, perm)) for perm in itertools.permutations(free, len(stages))])
-    # Devices are independent: choose per device, but score with the whole block for simplicity.
-    offsets = dict(fb_offsets)
-    for stages, choices in zip(placement.stages_per_device, choices_per_device):
         best, best_key = None, None
-        for residues in choices:
-            trial = dict(offsets)
-            for stage, residue in residues.items():
+        for residues in itertools.permutations(free, len(stages)):
+            w = {}
+            for stage, residue in zip(stages, residues):
                 after = fb_offsets[(Kind.B, stage)] + 1
-                trial[(Kind.W, stage)] = after + (residue - after) % interval
-            block = BuildingBlock(placement, interval, _complete(trial, placement))
-            device = placement.device_of(stages[0])
-            spans = block.lifespans()
-            key = (block.steady_peak()[device], sum(spans[s] for s in stages))
+                w[stage] = after + (residue - after) % interval
+            windows = [(fb_offsets[(Kind.F, s)], w[s] + 1) for s in stages]
+            key = (steady_live(windows, interval), sum(end - start for start, end in windows))
             if best_key is None or key < best_key:
-                best, best_key = residues, key
-        for stage, residue in best.items():
-            after = fb_offsets[(Kind.B, stage)] + 1
-            offsets[(Kind.W, stage)] = after + (residue - after) % interval
+                best, best_key = w, key
+        offsets.update({(Kind.W, stage): slot for stage, slot in best.items()})
     return BuildingBlock(placement, interval, offsets)
-
-
-def _complete(offsets, placement):
-    """Give not-yet-placed W passes a provisional slot right after their B (for scoring only)."""
-    out = dict(offsets)
-    for stage in range(placement.num_stages):
-        out.setdefault((Kind.W, stage), out[(Kind.B, stage)] + 1)
-    return out
 
 
 def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Costs, name: str) -> Schedule:
