@@ -26,28 +26,24 @@ from .schedule import Costs, Placement, Schedule, ScheduleError
 _EPS = 1e-9
 
 
-@dataclass(frozen=True)
-class GreedyConfig:
-    memory_caps: Sequence[float]  # per device, in memory units (default model: W frees)
-    priority: Callable[[Action], tuple]
-    inflight_limits: Sequence[int] | None = None  # per device: max F whose B has not run
-    admission: Admission = None  # type: ignore[assignment]  # set in __post_init__
-    # Stay idle rather than start a lower-priority pass when a higher-priority one arrives within
-    # this time (e.g. a gradient still in flight for ``comm``): starting a W there would delay
-    # the backward chain by a whole W.
-    wait_window: float = 0.0
-
-    def __post_init__(self):
-        if self.admission is None:
-            object.__setattr__(self, "admission", Admission.RESERVE_ALL)
-
-
 class Admission(enum.Enum):
     """How an F of a device's first stage (a microbatch entering the device) is admitted."""
 
     RESERVE_ALL = "all"  # reserve the device's later-chunk F of every admitted microbatch: never stalls
     HEADROOM = "one"  # keep room for one later-chunk F only: packs tighter, may stall (then discarded)
     NONE = "none"  # plain memory cap on every F: may stall
+
+
+@dataclass(frozen=True)
+class GreedyConfig:
+    memory_caps: Sequence[float]  # per device, in memory units (default model: W frees)
+    priority: Callable[[Action], tuple]
+    inflight_limits: Sequence[int] | None = None  # per device: max F whose B has not run
+    admission: Admission = Admission.RESERVE_ALL
+    # Stay idle rather than start a lower-priority pass when a higher-priority one arrives within
+    # this time (e.g. a gradient still in flight for ``comm``): starting a W there would delay
+    # the backward chain by a whole W.
+    wait_window: float = 0.0
 
 
 @dataclass
