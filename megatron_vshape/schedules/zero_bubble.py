@@ -90,7 +90,7 @@ class GreedyFamily:
 def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
     """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory).
 
-    Large problems rank the variants on a smaller pipeline (at most 8 devices, 4 microbatches
+    Large problems rank the variants on a smaller pipeline (at most 16 devices, 4 microbatches
     per device: the steady state decides the winner there too) and build only the best at
     full size; a winner that stalls at full size hands over to the next.
     """
@@ -99,7 +99,7 @@ def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, c
         if not ranked:
             raise ScheduleError(f"{family.name}: no variant of the greedy scheduler fits the memory caps")
         return ranked[0][2]
-    proxy_d = min(num_devices, 8)
+    proxy_d = min(num_devices, 16)
     proxy = _rank(family, proxy_d, min(num_microbatches, 4 * proxy_d), costs, _variants(family, proxy_d, costs))
     full_variants = _variants(family, num_devices, costs)
     placement, caps = family.placement(num_devices), family.memory_caps(num_devices)
