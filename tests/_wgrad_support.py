@@ -103,11 +103,6 @@ def init_megatron(rank: int, world_size: int, tp: int) -> None:
     from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
-    # Temporary, until cpu_mode covers it: its TorchFunctionMode is not active inside autograd's
-    # backward (the mode pops itself while handling torch.autograd.backward, and the engine
-    # captures the mode stack after that), so Megatron's sequence-parallel backward, which
-    # allocates with device=torch.cuda.current_device(), needs that call itself to answer "cpu".
-    torch.cuda.current_device = lambda: torch.device("cpu")
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)

@@ -49,6 +49,7 @@ def enable_cpu_mode() -> None:
         _install_cuda_shims()
         _install_rng_tracker()
         _CpuDeviceMode().__enter__()  # stays on for the life of the process
+        _install_backward_mode()
         _enabled = True
 
 
@@ -85,6 +86,24 @@ class _CpuDeviceMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
+
+
+def _install_backward_mode() -> None:
+    """Run custom autograd backwards under the device rewrite too.
+
+    The mode entered above is not active inside autograd's engine when it calls a custom
+    Function's backward, and Megatron's sequence-parallel backward allocates with
+    ``device=torch.cuda.current_device()`` there.
+    """
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+
+    def apply(self, *args):
+        with _CpuDeviceMode():
+            return original(self, *args)
+
+    BackwardCFunction.apply = apply
 
 
 # --- torch.cuda calls ------------------------------------------------------------------------
