@@ -1,109 +1,21 @@
-"""Helpers for tests/test_wgrad.py: a spawn-based gloo harness and megatron models built on CPU.
-
-The harness runs one function on N ranks in fresh processes (megatron's parallel_state is process
-state, so it never touches the pytest process), sends each rank's result or traceback back through a
-queue, and always terminates and joins its processes: a deadlocked rank fails the test after
-``timeout`` seconds instead of hanging it.
+"""Helpers for tests/test_wgrad.py: megatron models built on CPU and the per-rank workers that
+``megatron_vshape.verify.spawn`` runs (it owns the process group, timeouts and cleanup).
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import socket
-import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
-    )
-    import torch
-
-    torch.set_num_threads(1)  # torch is already imported (unpickling this function), so not via OMP_NUM_THREADS
-    try:
-        results.put((rank, "ok", fn(rank, world_size, *args)))
-    except BaseException:  # noqa: B036 - report everything, including a failed assertion
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
-
-    Raises AssertionError with the first rank's traceback if any rank fails, or if the ranks do not
-    all finish within ``timeout`` seconds (e.g. a collective deadlock).
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results)) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    try:
-        return _collect(results, procs, timeout)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-
-
-def _collect(results, procs, timeout: float) -> list[Any]:
-    """Gather every rank's report; fail on the first error, a rank that died silently, or the deadline."""
-    outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    while len(outputs) < len(procs):
-        try:
-            rank, status, payload = results.get(timeout=1.0)
-        except queue.Empty:
-            _check_alive(procs, outputs, results, deadline, timeout)
-            continue
-        if status == "error":
-            raise AssertionError(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
-    return [outputs[r] for r in range(len(procs))]
-
-
-def _check_alive(procs, outputs, results, deadline: float, timeout: float) -> None:
-    # A rank that reported has flushed its queue before exiting; one that crashed exits non-zero.
-    dead = [r for r, p in enumerate(procs) if r not in outputs and p.exitcode not in (None, 0)]
-    if dead and results.empty():
-        codes = {r: procs[r].exitcode for r in dead}
-        raise AssertionError(f"ranks {dead} exited without reporting (exit codes {codes})")
-    if time.monotonic() > deadline:
-        missing = sorted(set(range(len(procs))) - set(outputs))
-        raise AssertionError(f"ranks {missing} did not finish within {timeout}s (deadlock?)")
-
-
-# --- megatron on CPU -------------------------------------------------------------------------
-
 
 def init_megatron(rank: int, world_size: int, tp: int) -> None:
-    """gloo process group + megatron parallel_state, in CPU mode (cpu_mode.py bridges CUDA)."""
-    import torch
+    """Megatron parallel_state in CPU mode, on the gloo group ``verify.spawn`` started."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
 
@@ -323,22 +235,6 @@ def _assert_after_b(model, ref, deferred: set[int]) -> None:
             assert untouched, f"B touched the weight grad of {name}"
         else:
             assert torch.equal(grads[name], ref[name]), f"grad of {name} (kept in B) differs after B"
-
-
-def hanging_worker(rank: int, world_size: int) -> int:
-    """Rank 1 never returns, like a rank stuck in a collective its peer skipped."""
-    import time
-
-    if rank == 1:
-        time.sleep(3600)
-    return rank
-
-
-def dying_worker(rank: int, world_size: int) -> int:
-    """Rank 1 exits abruptly without reporting, like a segfault or an OOM kill."""
-    if rank == 1:
-        os._exit(3)
-    return rank
 
 
 # --- a whole schedule, all stages in one process -----------------------------------------------

@@ -62,6 +62,18 @@ def _raise(rank, world_size):
     raise ValueError(f"boom on {rank}")
 
 
+def _die(rank, world_size):
+    if rank == 1:
+        os._exit(3)  # like a segfault or an OOM kill: no report
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_harness_reports_a_rank_that_dies_without_reporting():
+    with pytest.raises(SpawnError, match=r"rank\(s\) \[1\] died \(exit codes \[3\]\)"):
+        spawn(_die, 2, timeout=50)
+
+
 @pytest.mark.timeout(60)
 def test_harness_kills_a_hung_group():
     start = time.monotonic()
