@@ -121,13 +121,27 @@ def test_schedules_adapt_to_costs():
     ("name", "d", "m", "fragment"),
     [
         ("nope", 4, 8, "unknown schedule"),
-        ("v-half", 1, 8, "at least 2 pipeline devices"),
+        ("v-half", 0, 8, "at least 1 pipeline device"),
         ("interleaved-1f1b", 4, 3, "at least 4 microbatches"),
     ],
 )
 def test_bad_requests_have_clear_errors(name, d, m, fragment):
     with pytest.raises(ScheduleError, match=fragment):
         get_schedule(name, d, m)
+
+
+@pytest.mark.parametrize("name", schedule_names())
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("costs", [Costs(), UNEQUAL])
+def test_one_pipeline_device(name, m, costs):
+    """PP=1: both V chunks (or the one looped stage) on one device; valid, simulated, no bubble."""
+    schedule = get_schedule(name, 1, m, costs)
+    validate(schedule)
+    assert schedule.num_devices == 1 and schedule.num_microbatches == m
+    result = simulate(schedule, costs)
+    assert result.bubble_rate == pytest.approx(0.0, abs=1e-12)  # nothing to wait for on one device
+    cap = 2 if name in ("gpipe", "zb-2p") else 1  # 1F1B's peak is d = 1 unit
+    assert result.peak_memory_max <= (m if name == "gpipe" else cap)
 
 
 def test_placements():

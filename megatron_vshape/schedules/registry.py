@@ -72,8 +72,10 @@ def get_schedule(
     spec = SCHEDULES.get(name)
     if spec is None:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
-    if num_devices < 2:
-        raise ScheduleError(f"{name} needs at least 2 pipeline devices; got {num_devices}")
+    if num_devices < 1:
+        # One device is allowed: both V chunks (or the one looped stage) on it, which is how the
+        # B/W split is checked on a single GPU.
+        raise ScheduleError(f"{name} needs at least 1 pipeline device; got {num_devices}")
     minimum = spec.min_microbatches(num_devices)
     if num_microbatches < minimum:
         raise ScheduleError(
