@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import v_zb_builder
 from .actions import Kind
 from .greedy import Admission, GreedyConfig, greedy_schedule
 from .schedule import Costs, Placement, Schedule, ScheduleError
@@ -162,5 +163,24 @@ def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int) -> 
 
 
 def v_zb(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
-    """V-ZB: V placement, memory capped at 1F1B's peak (d units)."""
-    return best_greedy(V_ZB, num_devices, num_microbatches, costs)
+    """V-ZB: V placement, memory capped at 1F1B's peak (d units).
+
+    Built constructively (see v_zb_builder) in a few variants, the lowest makespan kept (a
+    variant with no bubble at all ends the search); the greedy list scheduler is the fallback
+    should every variant fail.
+    """
+    best, best_key = None, None
+    for variant in v_zb_builder.VARIANTS:
+        schedule = v_zb_builder.build_v_zb(num_devices, num_microbatches, costs, variant)
+        if schedule is None:
+            continue
+        result = simulate(schedule, costs)
+        key = (round(result.makespan, 9), result.peak_memory_max)
+        if best_key is None or key < best_key:
+            best, best_key = schedule, key
+        if result.bubble_rate <= 1e-12:
+            break
+    if best is None:
+        return best_greedy(V_ZB, num_devices, num_microbatches, costs)
+    return best
+

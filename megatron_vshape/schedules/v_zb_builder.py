@@ -1,0 +1,248 @@
+"""V-ZB built constructively, device program by device program, in rounds.
+
+The idea (from the paper authors' V-ZB generator, re-implemented here): every pass is appended
+to its device's program with its exact start time (program order, as the simulator runs it), so
+the builder always knows how long a device would wait for the input of its next F or B. It
+fills such waits with pending W passes, and moves a W *ahead* of the wait when the wait would
+push this device's idle time above an allowance: the largest idle time seen on any device (a
+device may idle as long as the worst one without lengthening the iteration). A second pass
+reruns with each device's allowance set from the first run ("approved bubble"), which lets
+devices that idled less absorb more, and so on while it helps.
+
+Phases: a warm-up of chunk-0 forwards sized by memory and by when the chunk-1 forward comes
+back, a balancing step that gives each device at least the forwards of the one before it, then
+rounds of (one B per device, one F per device), and the remaining W passes last.
+
+Lanes: each device holds stage ``i`` (low, chunk 0) and stage ``2d-1-i`` (high, chunk 1).
+F_LOW and B_HIGH take their input from device ``i-1``; F_HIGH and B_LOW from device ``i+1``
+(the tip of the V, device ``d-1``, hands over locally).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .actions import Action, Kind
+from .schedule import Costs, MemoryModel, Placement, Schedule
+
+F_LOW, F_HIGH, B_HIGH, B_LOW, W_HIGH, W_LOW = range(6)
+_KIND = (Kind.F, Kind.F, Kind.B, Kind.B, Kind.W, Kind.W)
+_FROM_PREVIOUS = (True, False, True, False, None, None)  # input from device i-1 (True) / i+1 (False)
+_LOCAL_INPUT = (None, F_LOW, F_HIGH, B_HIGH, None, None)  # same-device pass that must come first
+_UNSET = -1.0
+
+
+class BuildFailed(Exception):
+    """This variant cannot complete (a dependency or memory rule it relies on does not hold)."""
+
+
+@dataclass(frozen=True)
+class VzbVariant:
+    fill_b: bool  # move a W ahead of a long wait before a B
+    fill_f: bool  # ... and before an F
+
+
+class _Builder:
+    def __init__(self, d, m, costs: Costs, variant: VzbVariant, approved, cap_units, memory: MemoryModel):
+        self.d, self.m, self.variant = d, m, variant
+        self.comm = costs.comm
+        self.cost = (costs.f, costs.f, costs.b, costs.b, costs.w, costs.w)
+        release = memory.b_release
+        # Memory in chunk activations (one F of one chunk = 1; 1F1B's peak d units = 2d).
+        self.delta = (1.0, 1.0, -release, -release, release - 1.0, release - 1.0)
+        self.cap = 2.0 * cap_units + 1e-9
+        self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(6)]
+        self.count = [[0] * 6 for _ in range(d)]
+        self.now = [0.0] * d
+        self.mem = [0.0] * d
+        self.idle = [0.0] * d
+        self.pending_w: list[deque] = [deque() for _ in range(d)]
+        self.programs: list[list[tuple[int, int]]] = [[] for _ in range(d)]
+        self.approved = approved
+        self.max_approved = max(approved) if approved else -1.0
+
+    # -- primitives ------------------------------------------------------------------------
+    def arrival(self, device: int, lane: int, mb: int) -> float | None:
+        """When the cross-device input of (lane, mb) on ``device`` arrives; None if local/none."""
+        source = device - 1 if _FROM_PREVIOUS[lane] else device + 1
+        if _FROM_PREVIOUS[lane] is None or not 0 <= source < self.d:
+            return None
+        end = self.end[lane][source][mb]
+        if end == _UNSET:
+            raise BuildFailed(f"input of lane {lane} mb {mb} on device {device} not placed")
+        return end + self.comm
+
+    def put(self, device: int, lane: int) -> None:
+        mb = self.count[device][lane]
+        if mb >= self.m:
+            raise BuildFailed("lane exhausted")
+        if self.mem[device] + self.delta[lane] > self.cap:
+            raise BuildFailed("memory cap")
+        local = _LOCAL_INPUT[lane]
+        if local is not None and self.count[device][local] <= mb:
+            raise BuildFailed("local input not placed")
+        start = self.now[device]
+        ready = self.arrival(device, lane, mb)
+        if ready is not None and ready > start:
+            if self.programs[device]:
+                self.idle[device] += ready - start
+            start = ready
+        end = start + self.cost[lane]
+        self.end[lane][device][mb] = end
+        self.now[device] = end
+        self.mem[device] += self.delta[lane]
+        self.count[device][lane] += 1
+        self.programs[device].append((lane, mb))
+        if lane == B_HIGH:
+            self.pending_w[device].append(W_HIGH)
+        elif lane == B_LOW:
+            self.pending_w[device].append(W_LOW)
+
+    def put_w(self, device: int) -> None:
+        if not self.pending_w[device]:
+            raise BuildFailed("no W to free memory")
+        self.put(device, self.pending_w[device].popleft())
+
+    def allowance(self, device: int) -> float:
+        worst = max(self.idle)
+        if self.approved:
+            worst = max(worst, self.max_approved - self.approved[device])
+        return worst - self.idle[device]
+
+    def put_with_fill(self, device: int, lane: int, move_w_ahead: bool) -> None:
+        """Fill the wait before (lane) with W passes; move one more W ahead if the wait is long."""
+        while self.mem[device] + self.delta[lane] > self.cap:
+            self.put_w(device)
+        mb = self.count[device][lane]
+        ready = self.arrival(device, lane, mb)
+        pending = self.pending_w[device]
+        if ready is not None:
+            w = self.cost[W_LOW]
+            while pending and ready >= self.now[device] + w:
+                self.put_w(device)
+            if pending and move_w_ahead and ready - self.now[device] > self.allowance(device):
+                self.put_w(device)
+        self.put(device, lane)
+
+    def placed(self, device: int, lane: int, mb: int) -> bool:
+        return 0 <= device < self.d and self.end[lane][device][mb] != _UNSET
+
+    # -- phases ----------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        d, m = self.d, self.m
+        for i in range(d):
+            self.put(i, F_LOW)
+        for i in range(d - 1, -1, -1):
+            if i < d - 1:
+                back = self.end[F_HIGH][i + 1][0] + self.comm
+                # Chunk-0 forwards while they fit (keeping room for the chunk-1 forwards that
+                # the i+1 devices closer to the start hold) and end before chunk 1 returns.
+                while (
+                    self.mem[i] + 2 * (i + 1) <= self.cap
+                    and self.now[i] + self.cost[F_LOW] <= back
+                    and self.count[i][F_LOW] < m
+                ):
+                    for j in range(i + 1):
+                        self.put(j, F_LOW)
+            self.put(i, F_HIGH)
+        lane = F_LOW
+        for i in range(1, d):
+            c, p = self.count[i], self.count[i - 1]
+            while c[F_LOW] + c[F_HIGH] < p[F_LOW] + p[F_HIGH] or c[F_HIGH] <= p[F_HIGH] < m:
+                for j in range(d - 1, i - 1, -1):
+                    if self.count[j][lane] < m:
+                        self.put(j, lane)
+                lane = F_HIGH if lane == F_LOW else F_LOW
+
+    def backward_round(self) -> None:
+        d = self.d
+        low_next, high_next = [], []
+        for i in range(d):
+            c = self.count[i]
+            if c[B_HIGH] >= self.m and c[B_LOW] >= self.m:
+                continue
+            if c[B_LOW] >= c[B_HIGH]:
+                high_next.append(i)
+            elif i == d - 1 or c[B_HIGH] >= self.m or self.placed(i + 1, B_LOW, c[B_LOW]):
+                low_next.append(i)
+            else:
+                high_next.append(i)
+        for i in reversed(low_next):
+            self.put_with_fill(i, B_LOW, True)
+        for i in high_next:
+            self.put_with_fill(i, B_HIGH, self.variant.fill_b)
+
+    def forward_round(self) -> None:
+        d, m = self.d, self.m
+        for i in range(d):
+            c = self.count[i]
+            if c[F_HIGH] >= m:
+                continue
+            if c[F_HIGH] >= c[F_LOW]:
+                lane = F_LOW
+            elif i == d - 1 or self.placed(i + 1, F_HIGH, c[F_HIGH]):
+                lane = F_HIGH
+            elif c[F_LOW] < m and (i == 0 or self.placed(i - 1, F_LOW, c[F_LOW])):
+                lane = F_LOW
+            else:
+                continue
+            self.put_with_fill(i, lane, self.variant.fill_f)
+
+    def build(self) -> None:
+        self.warm_up()
+        for _ in range(2 * self.m):
+            self.backward_round()
+            self.forward_round()
+        for i in range(self.d):
+            while self.pending_w[i]:
+                self.put_w(i)
+            if any(self.count[i][lane] != self.m for lane in range(6)):
+                raise BuildFailed("incomplete")
+
+
+def _run(d, m, costs, variant, approved, cap_units, memory) -> _Builder:
+    builder = _Builder(d, m, costs, variant, approved, cap_units, memory)
+    builder.build()
+    return builder
+
+
+def build_v_zb(
+    num_devices: int,
+    num_microbatches: int,
+    costs: Costs,
+    variant: VzbVariant,
+    cap_units: float | None = None,
+    memory: MemoryModel = MemoryModel(),
+    max_rounds: int = 8,
+) -> Schedule | None:
+    """The V-ZB schedule of one variant, refined with approved idle times; None if it fails."""
+    d, m = num_devices, num_microbatches
+    cap = float(d) if cap_units is None else cap_units
+    try:
+        best = _run(d, m, costs, variant, None, cap, memory)
+    except BuildFailed:
+        return None
+    for _ in range(max_rounds):
+        try:
+            again = _run(d, m, costs, variant, list(best.idle), cap, memory)
+        except BuildFailed:
+            break
+        if max(again.idle) >= max(best.idle) - 1e-9:
+            break
+        best = again
+    return _to_schedule(best, d, m)
+
+
+def _to_schedule(builder: _Builder, d: int, m: int) -> Schedule:
+    placement = Placement.v_shape(d)
+    programs = []
+    for device, program in enumerate(builder.programs):
+        low, high = placement.stages_per_device[device]
+        stage = (low, high, high, low, high, low)
+        programs.append(tuple(Action(_KIND[lane], stage[lane], mb) for lane, mb in program))
+    return Schedule("v-zb", placement, m, tuple(programs))
+
+
+VARIANTS = tuple(VzbVariant(fill_b, fill_f) for fill_b in (True, False) for fill_f in (True, False))
+
