@@ -12,9 +12,9 @@ megatron-core 0.19.x) and with older ones that pass ``extra_args_provider`` to `
 megatron-core >= 0.19 (``megatron.training``).
 
 With a V schedule, the script's model provider must forward ``pg_collection`` to GPTModel (Megatron-LM's
-does), and its batch/dataset predicates should use ``mpu.is_pipeline_first_stage/last_stage`` with the
-chunk's ``vp_stage`` (Megatron-LM's ``is_first_or_last_pipeline_stage`` does): install() gives those
-V answers (rank 0 holds both the first and the last stage).
+does). Rank 0 holds both the first and the last stage: while a chunk runs, install() makes
+``mpu.is_pipeline_first_stage/last_stage`` answer for that chunk, with or without ``vp_stage``.
+Tested with Megatron-LM's own ``pretrain_gpt.py`` (tag core_v0.19.0), unmodified.
 """
 
 from __future__ import annotations

@@ -451,33 +451,42 @@ def _provider_through(builder: ChunkBuilder, model_provider_func):
 
 
 def _v_stage_predicates() -> None:
-    """parallel_state's first/last-stage questions *about a chunk* (``vp_stage`` given) answer for the V.
+    """parallel_state's first/last-stage questions answer for the V placement's chunks.
 
-    Entry scripts ask them to decide which batch fields a chunk needs. On a V, chunk 0 of rank 0 is
-    the first stage and chunk 1 of rank 0 the last. Rank-level questions (``ignore_virtual=True`` or
-    no ``vp_stage``) keep Megatron's answers: the training loop reads the losses on the last pipeline
-    rank, where :func:`relay_losses` puts them.
+    On a V, chunk 0 of pipeline rank 0 is the first stage and chunk 1 of rank 0 the last.
+
+    * About a chunk (``vp_stage`` given, ``ignore_virtual=False``): the answer for that chunk.
+    * Any other form *during a pass* (a forward, backward or W of one chunk; the executor names it in
+      :mod:`megatron_vshape.runtime.active_stage`): the answer for the stage being run, as Megatron's
+      interleaved schedule gives with its current virtual rank. Megatron-LM's ``get_batch`` asks
+      ``mpu.is_pipeline_last_stage()`` without ``vp_stage`` to decide whether to load labels and the
+      loss mask; on rank 0 that must be True while the loss chunk runs.
+    * Between passes: Megatron's rank-level answers. The training loop reads the losses on the last
+      pipeline rank, where :func:`relay_losses` puts them.
     """
     from megatron.core import parallel_state
+
+    from megatron_vshape.runtime.active_stage import active_stage
 
     if getattr(parallel_state.is_pipeline_first_stage, "_vshape", False):
         return
     first, last = parallel_state.is_pipeline_first_stage, parallel_state.is_pipeline_last_stage
 
-    def on_rank_zero(vp_stage: int, chunk: int) -> bool:
-        return parallel_state.get_pipeline_model_parallel_rank() == 0 and vp_stage == chunk
+    def v_answer(megatron_answer, ignore_virtual, vp_stage, chunk: int, of_active) -> bool:
+        if not ignore_virtual and vp_stage is not None:
+            return parallel_state.get_pipeline_model_parallel_rank() == 0 and vp_stage == chunk
+        running = active_stage()
+        if running is not None:
+            return of_active(running)
+        return megatron_answer(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
 
     @functools.wraps(first)
-    def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None, **kw):
-        if ignore_virtual or vp_stage is None:
-            return first(ignore_virtual=ignore_virtual, vp_stage=vp_stage, **kw)
-        return on_rank_zero(vp_stage, 0)
+    def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None):
+        return v_answer(first, ignore_virtual, vp_stage, 0, lambda running: running.is_first)
 
     @functools.wraps(last)
-    def is_pipeline_last_stage(ignore_virtual=True, vp_stage=None, **kw):
-        if ignore_virtual or vp_stage is None:
-            return last(ignore_virtual=ignore_virtual, vp_stage=vp_stage, **kw)
-        return on_rank_zero(vp_stage, 1)
+    def is_pipeline_last_stage(ignore_virtual=True, vp_stage=None):
+        return v_answer(last, ignore_virtual, vp_stage, 1, lambda running: running.is_last)
 
     is_pipeline_first_stage._vshape = is_pipeline_last_stage._vshape = True
     parallel_state.is_pipeline_first_stage = is_pipeline_first_stage

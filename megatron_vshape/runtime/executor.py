@@ -54,6 +54,7 @@ from megatron_vshape.schedules import (
 )
 
 from . import compat
+from .active_stage import running_stage
 from .p2p import DirectionalGroups, PlanExchange
 from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
 
@@ -340,12 +341,15 @@ class _Iteration:
                 chunk.output_grads[msg.microbatch] = tensor
 
     def _run(self, action: Action, exchange: PlanExchange, step: Step) -> None:
-        if action.kind is Kind.F:
-            self._forward(action, exchange, step)
-        elif action.kind is Kind.B:
-            self._backward_input(action, exchange, step)
-        else:
-            self._backward_weight(action)
+        # User code (get_batch, loss_func) asks mpu.is_pipeline_first/last_stage() during a pass:
+        # the glue answers for the stage named here (see runtime.active_stage).
+        with running_stage(action.stage, self.placement.num_stages):
+            if action.kind is Kind.F:
+                self._forward(action, exchange, step)
+            elif action.kind is Kind.B:
+                self._backward_input(action, exchange, step)
+            else:
+                self._backward_weight(action)
 
     def _forward(self, action: Action, exchange: PlanExchange, step: Step) -> None:
         chunk, mb = self.chunk_of(action.stage), action.microbatch

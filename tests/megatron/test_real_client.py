@@ -1,0 +1,110 @@
+"""NVIDIA Megatron-LM's own ``pretrain_gpt.py`` (tag core_v0.19.0, unmodified), on CPU with gloo.
+
+The files stand for a user's Megatron-LM checkout: ``../shared/clients/megatron-lm-core_v0.19.0`` next to
+this project, or the checkout named by ``$MEGATRON_LM_DIR``. They are never edited: the patch route
+applies ``patches/megatron-lm-pretrain_gpt.patch`` to a copy in a temporary directory.
+
+Every schedule of the registry trains 5 iterations through ``python -m megatron_vshape.run`` at PP=2 and
+must print the same lm loss as Megatron's own 1F1B on the same script (to 1e-5; dropout masks and initial
+weights do not depend on the schedule). On a V, pipeline rank 0 runs both the first and the last stage;
+the script's ``get_batch`` asks ``mpu.is_pipeline_last_stage()`` without ``vp_stage`` to decide whether to
+load labels and the loss mask, which crashed V schedules before the executor named the running stage.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from glue_support import ROOT, cpu_env, run_group
+
+from megatron_vshape.schedules import schedule_names
+
+CLIENT_ENV = "MEGATRON_LM_DIR"
+DEFAULT_CLIENT = ROOT.parent / "shared" / "clients" / "megatron-lm-core_v0.19.0"
+CLIENT_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
+PATCH = ROOT / "patches" / "megatron-lm-pretrain_gpt.patch"
+
+TINY = ("--cpu --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
+        "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
+        "--train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+        "--log-interval 1 --eval-interval 5 --eval-iters 1").split()
+# Megatron's virtual pipeline needs its chunk count on the command line; every other schedule takes TINY as is.
+EXTRA_FLAGS = {"interleaved-1f1b": ["--num-virtual-stages-per-pipeline-rank", "2"]}
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+RUN_TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def client_dir() -> Path:
+    """The Megatron-LM checkout to test against; its absence fails under CI and skips elsewhere."""
+    path = Path(os.environ.get(CLIENT_ENV) or DEFAULT_CLIENT)
+    if not all((path / name).is_file() for name in CLIENT_FILES):
+        message = (f"no Megatron-LM checkout at {path} (needs {', '.join(CLIENT_FILES)}); "
+                   f"set {CLIENT_ENV}=/path/to/Megatron-LM (tag core_v0.19.0) to run these tests")
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI: " + message)
+        pytest.skip(message)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(python: str, entry: list[str], schedule: str, cwd: Path = ROOT) -> dict[int, float]:
+    """Run 2 ranks under torchrun; return {iteration: lm loss} (fails the test on a crash or a hang)."""
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           *entry, "--pipeline-schedule", schedule, *TINY, *EXTRA_FLAGS.get(schedule, [])]
+    result = run_group(cmd, timeout=RUN_TIMEOUT, env=cpu_env(), cwd=cwd)
+    assert result.returncode == 0, f"{schedule} exited {result.returncode}:\n{result.stdout[-5000:]}"
+    found = {int(i): float(v) for i, v in LOSS.findall(result.stdout)}
+    assert sorted(found) == [1, 2, 3, 4, 5], result.stdout[-3000:]
+    return found
+
+
+def assert_same_losses(reference: dict[int, float], other: dict[int, float]) -> None:
+    for i, loss in reference.items():
+        assert abs(other[i] - loss) <= 1e-5 * abs(loss), (i, loss, other[i])
+
+
+@pytest.fixture(scope="module")
+def megatron_1f1b(mc19_python, client_dir) -> dict[int, float]:
+    """Megatron's own 1F1B function (the runner keeps it for ``1f1b``) on the unmodified script."""
+    losses = train(mc19_python, ["-m", "megatron_vshape.run", str(client_dir / "pretrain_gpt.py")], "1f1b")
+    assert losses[5] < losses[1], "training must make progress"
+    return losses
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+@pytest.mark.parametrize("schedule", [name for name in schedule_names() if name != "1f1b"])
+def test_runner_trains_every_schedule_on_the_unmodified_script(mc19_python, client_dir, megatron_1f1b, schedule):
+    losses = train(mc19_python, ["-m", "megatron_vshape.run", str(client_dir / "pretrain_gpt.py")], schedule)
+    assert_same_losses(megatron_1f1b, losses)
+
+
+@pytest.fixture(scope="module")
+def patched_checkout(client_dir, tmp_path_factory) -> Path:
+    """A copy of the checkout with the patch applied by ``git apply``, as the patch README says."""
+    copy = tmp_path_factory.mktemp("megatron-lm")
+    for name in CLIENT_FILES:
+        shutil.copy(client_dir / name, copy / name)
+    result = subprocess.run(["git", "apply", str(PATCH)], cwd=copy, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (copy / "pretrain_gpt.py").read_text() != (client_dir / "pretrain_gpt.py").read_text()
+    return copy
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+@pytest.mark.parametrize("schedule", ["v-half", "v-zb"])
+def test_patched_script_trains_v_schedules(mc19_python, patched_checkout, megatron_1f1b, schedule):
+    """``python pretrain_gpt.py`` on the patched copy (no runner), on this interpreter (3.11 included)."""
+    losses = train(mc19_python, [str(patched_checkout / "pretrain_gpt.py")], schedule, cwd=patched_checkout)
+    assert_same_losses(megatron_1f1b, losses)
