@@ -1,20 +1,21 @@
-"""Zero-bubble schedules built by the memory-capped greedy scheduler.
+"""Zero-bubble schedules: the best of constructive builders and the memory-capped greedy scheduler.
 
 * ZB-H1, ZB-1P, ZB-2P (Qi et al., ICLR 2024) on the looped placement: memory capped at 1x
   (H1, 1P) or 2x (2P) of 1F1B's peak; H1 additionally keeps 1F1B's count of in-flight
   forwards per device, which is what makes it the simple hand-made variant.
 * V-ZB on the V placement with 1F1B's peak memory.
 
-Like the authors, we try a few on/off variants of the priority rules and keep the schedule with
-the smallest makespan under the given costs.
+Like the authors, we try a few on/off variants of the rules (of the constructive builders in
+zb_builder / v_zb_builder, and of the greedy list scheduler) and keep the schedule with the
+smallest makespan under the given costs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import v_zb_builder
+from . import v_zb_builder, zb_builder
 from .actions import Kind
 from .greedy import Admission, GreedyConfig, greedy_schedule
 from .schedule import Costs, Placement, Schedule, ScheduleError
@@ -88,45 +89,67 @@ class GreedyFamily:
     limit_options: Callable[[int], list[tuple[int, ...] | None]] = lambda d: [None]
 
 
-def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
-    """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory).
+# A way to build a schedule for any (num_devices, num_microbatches); None if it cannot.
+Candidate = Callable[[int, int], Schedule | None]
 
-    Large problems rank the variants on a smaller pipeline (at most 16 devices, 4 microbatches
-    per device: the steady state decides the winner there too) and build only the best at
-    full size; a winner that stalls at full size hands over to the next.
+
+def greedy_candidates(family: GreedyFamily, costs: Costs) -> list[Candidate]:
+    """One candidate per rule variant of the greedy list scheduler (same count for every d)."""
+
+    def build(index: int) -> Candidate:
+        def candidate(num_devices: int, num_microbatches: int) -> Schedule | None:
+            variant = _variants(family, num_devices, costs)[index]
+            config = GreedyConfig(
+                family.memory_caps(num_devices), variant.priority, variant.inflight_limits,
+                variant.admission, variant.wait_window,
+            )
+            try:
+                return greedy_schedule(family.name, family.placement(num_devices), num_microbatches, costs, config)
+            except ScheduleError:
+                return None  # this variant stalls under the caps
+        return candidate
+
+    return [build(index) for index in range(len(_variants(family, 2, costs)))]
+
+
+def best_of(name: str, candidates: Sequence[Candidate], num_devices: int, num_microbatches: int,
+            costs: Costs) -> Schedule:
+    """The lowest-makespan schedule among the candidates (ties: lower peak, then list order).
+
+    Large problems rank the candidates on a smaller pipeline (at most 16 devices, 4
+    microbatches per device: the steady state decides the winner there too) and build only the
+    best at full size; a winner that fails at full size hands over to the next.
     """
     if num_devices * num_microbatches <= _PROXY_CELLS:
-        ranked = _rank(family, num_devices, num_microbatches, costs, _variants(family, num_devices, costs))
+        ranked = _rank(candidates, num_devices, num_microbatches, costs)
         if not ranked:
-            raise ScheduleError(f"{family.name}: no variant of the greedy scheduler fits the memory caps")
+            raise ScheduleError(f"{name}: no variant fits the memory caps")
         return ranked[0][2]
     proxy_d = min(num_devices, 16)
-    proxy = _rank(family, proxy_d, min(num_microbatches, 4 * proxy_d), costs, _variants(family, proxy_d, costs))
-    full_variants = _variants(family, num_devices, costs)
-    placement, caps = family.placement(num_devices), family.memory_caps(num_devices)
-    for _, index, _ in proxy:
-        variant = full_variants[index]
-        config = GreedyConfig(caps, variant.priority, variant.inflight_limits, variant.admission, variant.wait_window)
-        try:
-            return greedy_schedule(family.name, placement, num_microbatches, costs, config)
-        except ScheduleError:
-            continue  # the proxy's winner stalls at full size: take the next one
-    raise ScheduleError(f"{family.name}: no variant of the greedy scheduler fits the memory caps")
+    for _, index, _ in _rank(candidates, proxy_d, min(num_microbatches, 4 * proxy_d), costs):
+        schedule = candidates[index](num_devices, num_microbatches)
+        if schedule is not None:
+            return schedule
+    raise ScheduleError(f"{name}: no variant fits the memory caps")
 
 
-def _rank(family: GreedyFamily, num_devices, num_microbatches, costs, variants):
-    """(key, variant index, schedule) for every variant that does not stall, best first."""
-    placement = family.placement(num_devices)
-    caps = family.memory_caps(num_devices)
+def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
+    """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory)."""
+    return best_of(family.name, greedy_candidates(family, costs), num_devices, num_microbatches, costs)
+
+
+def _rank(candidates, num_devices, num_microbatches, costs):
+    """(key, candidate index, schedule) for every candidate that builds, best first; stops at
+    the first schedule without any bubble (nothing can beat it on makespan)."""
     ranked = []
-    for index, variant in enumerate(variants):
-        config = GreedyConfig(caps, variant.priority, variant.inflight_limits, variant.admission, variant.wait_window)
-        try:
-            schedule = greedy_schedule(family.name, placement, num_microbatches, costs, config)
-        except ScheduleError:
-            continue  # this variant stalls under the caps
+    for index, candidate in enumerate(candidates):
+        schedule = candidate(num_devices, num_microbatches)
+        if schedule is None:
+            continue
         result = simulate(schedule, costs)
         ranked.append(((round(result.makespan, 9), result.peak_memory_max, index), index, schedule))
+        if result.bubble_rate <= 1e-12:
+            break
     ranked.sort(key=lambda item: item[0])
     return ranked
 
@@ -157,30 +180,33 @@ def zb_h1(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
 
 
 def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int) -> Schedule:
-    """ZB-1P / ZB-2P: memory capped at 1x / 2x 1F1B's peak. ZB-H1's in-flight limit is among
-    the variants tried, so ZB-1P is never worse than ZB-H1."""
-    return best_greedy(ZB_1P if factor == 1 else ZB_2P, num_devices, num_microbatches, costs)
+    """ZB-1P / ZB-2P: memory capped at 1x / 2x 1F1B's peak. Candidates: the constructive
+    builder's variants and the greedy scheduler's (ZB-H1's in-flight limit among them, so
+    ZB-1P is never worse than ZB-H1)."""
+    family = ZB_1P if factor == 1 else ZB_2P
+    candidates = _constructive_zb(family.name, float(factor), costs) + greedy_candidates(family, costs)
+    return best_of(family.name, candidates, num_devices, num_microbatches, costs)
+
+
+def _constructive_zb(name: str, factor: float, costs: Costs) -> list[Candidate]:
+    def build(variant: zb_builder.ZbVariant) -> Candidate:
+        return lambda d, m: zb_builder.build_zb(d, m, costs, factor * d, variant, name)
+
+    return [build(variant) for variant in zb_builder.VARIANTS]
 
 
 def v_zb(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
     """V-ZB: V placement, memory capped at 1F1B's peak (d units).
 
-    Built constructively (see v_zb_builder) in a few variants, the lowest makespan kept (a
-    variant with no bubble at all ends the search); the greedy list scheduler is the fallback
-    should every variant fail.
+    Built constructively (see v_zb_builder) in a few variants, the lowest makespan kept; the
+    greedy list scheduler is the fallback should every variant fail.
     """
-    best, best_key = None, None
-    for variant in v_zb_builder.VARIANTS:
-        schedule = v_zb_builder.build_v_zb(num_devices, num_microbatches, costs, variant)
-        if schedule is None:
-            continue
-        result = simulate(schedule, costs)
-        key = (round(result.makespan, 9), result.peak_memory_max)
-        if best_key is None or key < best_key:
-            best, best_key = schedule, key
-        if result.bubble_rate <= 1e-12:
-            break
-    if best is None:
-        return best_greedy(V_ZB, num_devices, num_microbatches, costs)
-    return best
 
+    def build(variant: v_zb_builder.VzbVariant) -> Candidate:
+        return lambda d, m: v_zb_builder.build_v_zb(d, m, costs, variant)
+
+    candidates = [build(variant) for variant in v_zb_builder.VARIANTS]
+    try:
+        return best_of("v-zb", candidates, num_devices, num_microbatches, costs)
+    except ScheduleError:
+        return best_greedy(V_ZB, num_devices, num_microbatches, costs)

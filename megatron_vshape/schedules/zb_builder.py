@@ -1,0 +1,201 @@
+"""ZB-1P / ZB-2P built constructively on the looped placement, one microbatch round at a time.
+
+The idea (from the paper authors' ZB generator, re-implemented here): every pass is appended to
+its device's program with its exact start time, so the builder knows how long a device would
+wait for its next input. Round 0 places a warm-up of forwards per device, sized by memory and
+by when the backward of the first microbatch comes back. Every later round places at most one F
+per device (first to last stage) and one B per device (last to first), filling waits with
+pending W passes; a device may also skip its F when the next stage is far behind (``prioritize_b``),
+and moves a W ahead of a wait that is longer than its idle-time allowance (the largest idle
+time of any device minus its own). The remaining W passes go last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .actions import Action, Kind
+from .schedule import Costs, MemoryModel, Placement, Schedule
+
+_F, _B, _W = 0, 1, 2
+_KIND = (Kind.F, Kind.B, Kind.W)
+_UNSET = -1.0
+
+
+class BuildFailed(Exception):
+    """This variant cannot complete under the memory cap."""
+
+
+@dataclass(frozen=True)
+class ZbVariant:
+    bubble_before_first_b: bool  # warm-up: allow a forward that ends after the first B could start
+    prioritize_b: bool  # skip an F when the next stage is two forwards behind and the F would delay it
+    move_w_ahead: bool  # also move a W ahead of a wait within the idle-time allowance
+
+
+VARIANTS = tuple(
+    ZbVariant(a, b, c) for a in (True, False) for b in (True, False) for c in (True, False)
+)
+
+
+class _Builder:
+    def __init__(self, d, m, costs: Costs, cap_units: float, variant: ZbVariant, memory: MemoryModel):
+        self.d, self.m, self.variant = d, m, variant
+        self.comm = costs.comm
+        self.cost = (2.0 * costs.f, 2.0 * costs.b, 2.0 * costs.w)  # one stage = two V chunks
+        release = memory.b_release
+        self.delta = (1.0, -release, release - 1.0)
+        self.cap = cap_units + 1e-9
+        self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(3)]
+        self.count = [[0, 0, 0] for _ in range(d)]
+        self.now = [0.0] * d
+        self.mem = [0.0] * d
+        self.idle = [0.0] * d
+        self.programs: list[list[tuple[int, int]]] = [[] for _ in range(d)]
+
+    def arrival(self, stage: int, kind: int, mb: int) -> float | None:
+        source = stage - 1 if kind == _F else stage + 1 if kind == _B else -1
+        if not 0 <= source < self.d:
+            return None
+        end = self.end[kind][source][mb]
+        if end == _UNSET:
+            raise BuildFailed("input not placed")
+        return end + self.comm
+
+    def put(self, stage: int, kind: int) -> None:
+        c = self.count[stage]
+        mb = c[kind]
+        if mb >= self.m or (kind == _B and c[_F] <= mb) or (kind == _W and c[_B] <= mb):
+            raise BuildFailed("order")
+        if self.mem[stage] + self.delta[kind] > self.cap:
+            raise BuildFailed("memory cap")
+        start = self.now[stage]
+        ready = self.arrival(stage, kind, mb)
+        if ready is not None and ready > start:
+            if c[_F] > 0:
+                self.idle[stage] += ready - start
+            start = ready
+        end = start + self.cost[kind]
+        self.end[kind][stage][mb] = end
+        self.now[stage] = end
+        self.mem[stage] += self.delta[kind]
+        c[kind] += 1
+        self.programs[stage].append((kind, mb))
+
+    def pending_w(self, stage: int) -> bool:
+        c = self.count[stage]
+        return c[_W] < c[_B]
+
+    def slack(self, stage: int) -> float:
+        return max(self.idle) - self.idle[stage]
+
+    def put_with_fill(self, stage: int, kind: int) -> None:
+        while self.mem[stage] + self.delta[kind] > self.cap:
+            if not self.pending_w(stage):
+                raise BuildFailed("memory cap")
+            self.put(stage, _W)
+        ready = self.arrival(stage, kind, self.count[stage][kind])
+        if ready is not None:
+            w = self.cost[_W]
+            while self.pending_w(stage) and self.now[stage] + w <= ready:
+                self.put(stage, _W)
+            if self.pending_w(stage) and self.now[stage] < ready:
+                if ready - self.now[stage] > self.slack(stage) or self.variant.move_w_ahead:
+                    self.put(stage, _W)
+        self.put(stage, kind)
+
+    def warm_up(self) -> None:
+        d, m = self.d, self.m
+        f_cost, b_cost = self.cost[_F], self.cost[_B]
+        for j in range(d):
+            self.put(j, _F)
+        extra = [0] * d
+        back = 0.0
+        for j in range(d - 1, -1, -1):
+            if j == d - 1:
+                back = self.end[_F][j][0] + b_cost
+                continue
+            mem, time = self.mem[j], self.now[j]
+            while self.count[j][_F] + extra[j] < m and mem + self.delta[_F] <= self.cap:
+                if self.variant.bubble_before_first_b:
+                    if time + f_cost > back + self.comm:
+                        break
+                elif time >= back + self.comm:
+                    break
+                mem += self.delta[_F]
+                time += f_cost
+                extra[j] += 1
+            back = max(time, back + self.comm) + b_cost
+        for j in range(1, d):
+            while extra[j] > 0 and extra[j] >= extra[j - 1] and self.count[j][_F] + extra[j] < m:
+                extra[j] -= 1
+        for j in range(d):
+            for _ in range(extra[j]):
+                self.put(j, _F)
+        for j in range(d - 1, -1, -1):
+            self.put(j, _B)
+
+    def wants_forward(self, j: int) -> bool:
+        c = self.count[j]
+        if c[_F] >= self.m:
+            return False
+        if not (self.variant.prioritize_b and j + 1 < self.d and c[_F] >= self.count[j + 1][_F] + 2):
+            return True
+        f_cost, w_cost = self.cost[_F], self.cost[_W]
+        next_done = self.now[j + 1] + f_cost + self.cost[_B] + self.comm
+        if self.now[j] >= next_done:
+            return False
+        w_needed, mem, w_time = 0, self.mem[j] + self.delta[_F], 0.0
+        while mem > self.cap and c[_W] + w_needed < c[_B]:
+            w_needed += 1
+            mem += self.delta[_W]
+            w_time += w_cost
+        if self.now[j] + f_cost + w_time <= next_done:
+            return True
+        return next_done - self.now[j] > self.slack(j)
+
+    def round(self, i: int) -> None:
+        d = self.d
+        wanted = [self.wants_forward(j) for j in range(d)]
+        for j in range(d - 2, -1, -1):
+            wanted[j] = wanted[j] and wanted[j + 1]
+        for j in range(d):
+            if wanted[j]:
+                self.put_with_fill(j, _F)
+        for j in range(d - 1, -1, -1):
+            if self.count[j][_B] != i:
+                raise BuildFailed("round out of step")
+            if j == 0 and self.count[j][_F] == self.m:
+                while self.pending_w(j):
+                    self.put(j, _W)
+            self.put_with_fill(j, _B)
+
+    def build(self) -> None:
+        self.warm_up()
+        for i in range(1, self.m):
+            self.round(i)
+        for j in range(self.d):
+            while self.pending_w(j):
+                self.put(j, _W)
+
+
+def build_zb(
+    num_devices: int,
+    num_microbatches: int,
+    costs: Costs,
+    cap_units: float,
+    variant: ZbVariant,
+    name: str,
+    memory: MemoryModel = MemoryModel(),
+) -> Schedule | None:
+    """One variant's schedule on the looped placement, or None if it cannot fit the cap."""
+    builder = _Builder(num_devices, num_microbatches, costs, cap_units, variant, memory)
+    try:
+        builder.build()
+    except BuildFailed:
+        return None
+    programs = tuple(
+        tuple(Action(_KIND[kind], stage, mb) for kind, mb in program)
+        for stage, program in enumerate(builder.programs)
+    )
+    return Schedule(name, Placement.looped(num_devices), num_microbatches, programs)
