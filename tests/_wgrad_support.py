@@ -4,8 +4,60 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any
+
+# --- backward as CUDA's autograd runs it -------------------------------------------------------
+
+
+class _EngineOnNewThreads:
+    """Stands in for ``Variable._execution_engine``: each ``run_backward`` runs on a fresh thread.
+
+    On CUDA, autograd runs ``Function.backward`` on a per-device worker thread that sees none of the
+    caller's ContextVars or thread-locals (Megatron's ``custom_backward`` does not even stash the
+    caller's context for it). On CPU the engine runs the graph on the calling thread; calling it
+    from a new, bare thread reproduces what a GPU backward sees.
+    """
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.threads_used = 0
+
+    def run_backward(self, *args, **kwargs):
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = self._engine.run_backward(*args, **kwargs)
+            except BaseException as err:  # noqa: B036 - re-raised on the caller's thread
+                outcome["error"] = err
+
+        thread = threading.Thread(target=run, name="fake-autograd-device-thread")
+        thread.start()
+        thread.join()
+        self.threads_used += 1
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@contextlib.contextmanager
+def backward_on_new_threads():
+    """Every backward (``torch.autograd.backward`` and Megatron's ``custom_backward``) on a new thread."""
+    from torch.autograd.variable import Variable
+
+    engine = Variable._execution_engine
+    fake = _EngineOnNewThreads(engine)
+    Variable._execution_engine = fake
+    try:
+        yield fake
+    finally:
+        Variable._execution_engine = engine
 
 
 def init_megatron(rank: int, world_size: int, tp: int) -> None:
@@ -303,3 +355,54 @@ def _run_schedule(name: str, devices: int, microbatches: int) -> int:
         bad = [n for n in got if not torch.equal(got[n], ref[s][n])]
         assert not bad, f"{name}: stage {s} grads differ from plain backward: {bad}"
     return most_pending
+
+
+# --- the executor with every backward on a new thread (as megatron.training on a GPU) ----------------
+
+
+def threaded_executor_worker(rank: int, world_size: int, spec, reference_path: str, blind: bool) -> dict:
+    """Run ``spec``'s schedule through the executor with ``backward_on_new_threads``.
+
+    Counts the deferred weight-gradient GEMMs that ran (``_LinearWeightGrad.__call__``). With
+    ``blind`` the split hook cannot see the capture (what the old ContextVar capture did on a
+    worker thread): the executor must then raise instead of silently running the full backward in B.
+    """
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    import megatron_vshape.runtime as runtime
+    from megatron_vshape import verify
+    from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
+    from megatron_vshape.runtime import wgrad
+
+    enable_cpu_mode()
+    parallel_state.initialize_model_parallel(spec.tp, spec.pp)
+    model_parallel_cuda_manual_seed(spec.model.seed)
+    gemms = {"count": 0}
+    original_call, original_build = wgrad._LinearWeightGrad.__call__, runtime.build_forward_backward_func
+    executors = []
+
+    def counting_call(self):
+        gemms["count"] += 1
+        return original_call(self)
+
+    def recording_build(*args, **kwargs):
+        executors.append(original_build(*args, **kwargs))
+        return executors[-1]
+
+    wgrad._LinearWeightGrad.__call__ = counting_call
+    runtime.build_forward_backward_func = recording_build
+    if blind:
+        wgrad._current_capture = lambda: None
+    row = {"pp_rank": parallel_state.get_pipeline_model_parallel_rank()}
+    try:
+        with backward_on_new_threads() as engine:
+            row["result"] = verify._run_schedule(spec.schedules[0], spec, spec.model, torch.load(reference_path))
+    except wgrad.WgradError as err:
+        row["error"] = str(err)
+    row["threads_used"] = engine.threads_used
+    row["w_gemms"] = gemms["count"]
+    counts = executors[0]._wgrad.counts() if executors else wgrad.WgradCounts()
+    row["counts"] = {"deferred": counts.deferred, "run": counts.run}
+    return row

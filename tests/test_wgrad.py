@@ -1,31 +1,28 @@
-"""B/W split of megatron-core's linear layers (megatron_vshape.runtime.wgrad / te_wgrad).
+"""B/W split of megatron-core's linear layers (megatron_vshape.runtime.wgrad).
 
 In-process tests drive megatron's linear autograd function directly (no process group needed);
 the equivalence tests build ColumnParallelLinear/RowParallelLinear models and a local-spec
 TransformerLayer on 1 or 2 gloo ranks and require bitwise-equal gradients between Megatron's plain
-backward and B-inside-capture followed by W. Run with both megatron-core versions:
-``python -m pytest tests/test_wgrad.py`` and ``/opt/venv-mc19/bin/python -m pytest tests/test_wgrad.py``.
+backward and B-inside-capture followed by W. Run with both megatron-core versions (the 0.19 run goes
+through ``VSHAPE_MC19_PYTHON``, see ``test_wgrad_019``). The backward on autograd's worker threads
+(as on GPU) is tested in ``test_wgrad_threads.py``; Transformer Engine in ``test_te_wiring.py``.
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from _wgrad_support import Case, equivalence_worker, schedule_worker
 
-from megatron_vshape.runtime import te_wgrad
 from megatron_vshape.runtime.wgrad import (
     WeightGradStore,
     WgradError,
-    _current_capture,
     check_ddp_config,
     disable_wgrad_split,
     enable_wgrad_split,
@@ -269,28 +266,6 @@ def test_stores_are_independent(split):
     assert weight.grad is None and first.pending() == [(0, 0)]
 
 
-def test_capture_is_found_from_an_autograd_worker_thread(split):
-    """CUDA backwards run Function.backward on a device thread: the launch-context snapshot is used."""
-    store = WeightGradStore()
-    seen = {}
-    with store.capture((2, 3)):
-        launch_context = contextvars.copy_context()
-
-    def worker():
-        seen["without"] = _current_capture()
-        torch._C._stash_obj_in_tls("context", launch_context)  # what torch hands its device threads
-        try:
-            seen["with"] = _current_capture()
-        finally:
-            torch._C._remove_obj_from_tls("context")
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    thread.join(10)
-    assert seen["without"] is None
-    assert seen["with"].store is store and seen["with"].key == (2, 3)
-
-
 def test_ddp_overlap_grad_reduce_is_rejected():
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -336,65 +311,6 @@ def test_schedules_b_and_w_orders_give_plain_backward_grads():
     assert set(most_pending) == set(SPLIT_SCHEDULES)
     # W really waited: several (stage, microbatch) keys were pending at once.
     assert all(count > 1 for count in most_pending.values()), most_pending
-
-
-# --- Transformer Engine path (no TE here: fake layers stand in) -----------------------------
-
-
-class _FakeTELinear(torch.nn.Module):
-    """Looks like a TE layer to te_wgrad: its class lives in a transformer_engine module."""
-
-    __module__ = "transformer_engine.pytorch.module.linear"
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def backward_dw(self):
-        self.calls += 1
-
-
-class _OldFakeTELinear(torch.nn.Module):
-    __module__ = "transformer_engine.pytorch.module.linear"
-
-
-def test_te_w_runs_backward_dw_at_run(split):
-    chunk = torch.nn.Sequential(_FakeTELinear(), torch.nn.Linear(2, 2), _FakeTELinear())
-    te = te_wgrad.TEWeightGrad.for_chunk(chunk)
-    store = WeightGradStore()
-    with store.capture((0, 0)):
-        te.defer(store)
-    assert [m.calls for m in te.modules] == [0, 0]
-    store.run((0, 0))
-    assert [m.calls for m in te.modules] == [1, 1]
-    assert te_wgrad.TEWeightGrad.for_chunk(torch.nn.Linear(2, 2)) is None
-
-
-def test_te_w_out_of_b_order_is_refused(split):
-    te = te_wgrad.TEWeightGrad.for_chunk(torch.nn.Sequential(_FakeTELinear()))
-    store = WeightGradStore()
-    for mb in (0, 1):
-        with store.capture((0, mb)):
-            te.defer(store)
-    with pytest.raises(WgradError, match="first-in first-out"):
-        store.run((0, 1))
-
-
-def test_te_split_checks():
-    te_wgrad.check_te_split([torch.nn.Linear(2, 2)], "v-half", delay_wgrad_compute=False)  # no TE layers
-    with pytest.raises(WgradError, match="needs --delay-wgrad-compute"):
-        te_wgrad.check_te_split([_FakeTELinear()], "v-half", delay_wgrad_compute=False)
-    with pytest.raises(WgradError, match="TE >= 2.3"):
-        te_wgrad.check_te_split([_OldFakeTELinear()], "zb-h1", delay_wgrad_compute=True)
-    te_wgrad.check_te_split([_FakeTELinear()], "v-half", delay_wgrad_compute=True)
-
-
-def test_split_schedule_with_te_impl_needs_te():
-    te_wgrad.check_transformer_impl("transformer_engine", "1f1b", splits_backward=False)
-    te_wgrad.check_transformer_impl("local", "v-half", splits_backward=True)
-    if not te_wgrad.te_installed():
-        with pytest.raises(WgradError, match="use --transformer-impl local"):
-            te_wgrad.check_transformer_impl("transformer_engine", "v-half", splits_backward=True)
 
 
 def test_w_refuses_tensors_modified_in_place_after_b(split):

@@ -65,47 +65,51 @@ class WeightGradAdapter:
     """The executor's view of the weight-gradient store of ``runtime/wgrad.py``.
 
     Created lazily, on the first B that defers its W: fused schedules never install the split hook.
-    Without that module B computes the full backward and W does nothing, which is gradient-exact
-    but does not move weight-gradient work or memory into W.
+    A captured B that defers nothing on a chunk with linear layers raises (no silent fallback to a
+    full backward in B); ``counts()`` says how many weight gradients were deferred and run.
     """
 
     def __init__(self):
         self._store = None
-        self._loaded = False
 
     def _get(self):
-        if not self._loaded:
-            self._loaded = True
-            try:
-                from . import wgrad
-            except ImportError:
-                return None
+        if self._store is None:
+            from . import wgrad
+
             wgrad.enable_wgrad_split()
             self._store = wgrad.WeightGradStore()
         return self._store
 
-    def capture(self, key):
+    @contextlib.contextmanager
+    def capture(self, key, chunk_model, schedule_name: str):
+        from . import wgrad
+
         store = self._get()
-        return store.capture(key) if store is not None else contextlib.nullcontext()
+        with store.capture(key):
+            yield
+        wgrad.check_deferred(store, key, chunk_model, schedule_name)
 
     def run(self, key) -> None:
-        store = self._get()
-        if store is not None:
-            store.run(key)
+        self._get().run(key)
 
     def pending(self) -> list:
         return list(self._store.pending()) if self._store is not None else []
 
-    def check_models(self, models, schedule_name: str) -> None:
-        """Reject DDP settings the split cannot honour (raises before any compute)."""
-        if self._get() is None:
-            return
+    def counts(self):
+        """Weight gradients deferred and run since this executor was built (``wgrad.WgradCounts``)."""
         from . import wgrad
+
+        return self._store.counts() if self._store is not None else wgrad.WgradCounts()
+
+    def check_models(self, models, schedule_name: str) -> None:
+        """Reject what the split cannot honour (raises before any compute): DDP settings, TE linears."""
+        from . import te_wgrad, wgrad
 
         for model in models:
             ddp_config = getattr(model, "ddp_config", None)
             if ddp_config is not None:
                 wgrad.check_ddp_config(ddp_config, schedule_name)
+        te_wgrad.check_te_split(models, schedule_name)
 
 
 def build_forward_backward_func(
@@ -160,6 +164,7 @@ class ScheduleExecutor:
         self._schedules: dict[tuple[int, int], tuple[Schedule, tuple[DevicePlan, ...]]] = {}
         self._groups: dict[tuple[int, ...], DirectionalGroups] = {}  # per pipeline group (its global ranks)
         self._wgrad = WeightGradAdapter()
+        self.last_wgrad_counts = None  # weight gradients deferred / run by the last call (wgrad.WgradCounts)
         self.record_timeline = False
         self.last_timeline: list[tuple[Action, float, float]] = []
 
@@ -212,10 +217,13 @@ class ScheduleExecutor:
         if getattr(getattr(first, "config", None), "defer_embedding_wgrad_compute", False):
             raise ValueError("--defer-embedding-wgrad-compute is not supported with --pipeline-schedule; drop it")
         models = model if isinstance(model, list) else [model]
+        before = self._wgrad.counts()
         run = _Iteration(self, forward_step_func, data_iterator, models, num_microbatches,
                          seq_length, micro_batch_size, forward_only, collect_non_loss_data,
                          first_val_step, force_all_reduce, pg_collection)
-        return run.execute()
+        losses = run.execute()
+        self.last_wgrad_counts = self._wgrad.counts() - before
+        return losses
 
 
 class _Iteration:
@@ -380,8 +388,8 @@ class _Iteration:
         output_grad = None if chunk.is_last_stage else chunk.output_grads.pop(mb)
         input_tensor = chunk.inputs.pop(mb, None)
         output = chunk.outputs.pop(mb)
-        capture = (self.executor._wgrad.capture((chunk.index, mb)) if action in self.deferred
-                   else contextlib.nullcontext())
+        capture = (self.executor._wgrad.capture((chunk.index, mb), chunk.model, self.executor.schedule_name)
+                   if action in self.deferred else contextlib.nullcontext())
         with capture:
             input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if action.stage > 0:

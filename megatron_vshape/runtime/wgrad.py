@@ -34,16 +34,24 @@ weights) gets two additions instead of one addition of a sum: equal up to roundi
 
 Limits: weights computed outside this function keep their gradient in B (legacy GroupedMLP experts,
 embeddings; Transformer Engine layers go through ``te_wgrad``); frozen weights have no W. Megatron
-FSDP and 0.19's GTP weight rematerialisation are refused with a clear error. On GPUs the capture is
-found from autograd's device threads through the context torch stashes at ``backward()``; a nested
-``backward()`` issued from inside a backward on such a thread (reentrant activation recomputation)
-would not see it, and those layers would compute their weight gradient in B: correct, not split.
+FSDP and 0.19's GTP weight rematerialisation are refused with a clear error.
+
+Which thread sees the capture: on CUDA, autograd runs ``Function.backward`` on its own per-device
+worker thread, which sees no ContextVar or thread-local of the thread that called ``backward()``;
+``torch.autograd.backward`` stashes the caller's context for it, but Megatron's ``custom_backward``
+(``Variable._execution_engine.run_backward``, used whenever ``deallocate_pipeline_outputs`` is on,
+as megatron.training sets it) does not. So the capture in force is **one process-wide slot**, visible
+from every thread: the executor is single-threaded and runs one B at a time, and the slot refuses a
+second capture (nested, or another executor's on another thread) instead of letting two B passes
+share it. Every linear backward that runs while the slot is held, on any thread, is deferred.
+Counters (:meth:`WeightGradStore.counts`) say how many weight gradients were deferred and run, so
+the executor can refuse a B that deferred nothing and the log can show the split really happened.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,28 +72,50 @@ class _Capture:
     key: Key
 
 
-# The capture in progress. Scoped to the ``with store.capture(key)`` block of the thread (or asyncio
-# task) that entered it; never a process-wide store.
-_ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("vshape_wgrad_capture", default=None)
+class _ActiveCapture:
+    """The capture in force, one per process, readable from every thread (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._capture: _Capture | None = None
+
+    @contextmanager
+    def hold(self, capture: _Capture) -> Iterator[None]:
+        with self._lock:
+            if self._capture is not None:
+                held = self._capture
+                raise WgradError(
+                    f"capture({capture.key!r}) while capture({held.key!r}) is in force: captures do not nest, "
+                    "and one process runs one B at a time (two executors running at once?)"
+                )
+            self._capture = capture
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._capture = None
+
+    def get(self) -> _Capture | None:
+        return self._capture
+
+
+_ACTIVE = _ActiveCapture()
 
 
 def _current_capture() -> _Capture | None:
-    """The capture in force for the backward running now, on whichever thread runs it.
-
-    With CUDA tensors the autograd engine runs ``Function.backward`` on a per-device worker thread,
-    which does not see the caller's ContextVars. torch (2.x) stashes the caller's
-    ``contextvars.copy_context()`` in the thread-local state it hands to those workers (key
-    ``"context"``), so fall back to reading our variable from that snapshot.
-    """
-    capture = _ACTIVE.get()
-    if capture is None and _has_backward_launch_context():
-        capture = torch._C._get_obj_in_tls("context").get(_ACTIVE)
-    return capture
+    """The capture in force for the backward running now, on whichever thread runs it."""
+    return _ACTIVE.get()
 
 
-def _has_backward_launch_context() -> bool:
-    is_key_in_tls = getattr(torch._C, "_is_key_in_tls", None)
-    return is_key_in_tls is not None and is_key_in_tls("context")
+@dataclass(frozen=True)
+class WgradCounts:
+    """Weight gradients (one per linear layer and microbatch) deferred by B and run by W so far."""
+
+    deferred: int = 0
+    run: int = 0
+
+    def __sub__(self, other: WgradCounts) -> WgradCounts:
+        return WgradCounts(self.deferred - other.deferred, self.run - other.run)
 
 
 class WeightGradStore:
@@ -98,25 +128,31 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self._tasks: dict[Key, list[Callable[[], None]]] = {}
+        self._deferred = 0
+        self._run = 0
 
     @contextmanager
     def capture(self, key: Key) -> Iterator[None]:
         if not wgrad_split_enabled():
             raise WgradError("WeightGradStore.capture() needs the split hook: call enable_wgrad_split() first")
-        if _ACTIVE.get() is not None:
-            raise WgradError(f"capture({key!r}) inside capture({_ACTIVE.get().key!r}): captures do not nest")
         if key in self._tasks:
             raise WgradError(f"capture({key!r}): this key's W has not run yet; run(key) before capturing it again")
-        self._tasks[key] = []
-        token = _ACTIVE.set(_Capture(self, key))
-        try:
-            yield
-        except BaseException:
-            # A B pass that failed half-way leaves no W to run.
-            del self._tasks[key]
-            raise
-        finally:
-            _ACTIVE.reset(token)
+        with _ACTIVE.hold(_Capture(self, key)):
+            self._tasks[key] = []
+            try:
+                yield
+            except BaseException:
+                # A B pass that failed half-way leaves no W to run.
+                self._deferred -= len(self._tasks.pop(key))
+                raise
+
+    def deferred_in(self, key: Key) -> int:
+        """How many weight gradients the B of ``key`` deferred (0 until captured, or after its run)."""
+        return len(self._tasks.get(key, ()))
+
+    def counts(self) -> WgradCounts:
+        """Totals since this store was made (the executor reports per-iteration differences)."""
+        return WgradCounts(self._deferred, self._run)
 
     def defer(self, task: Callable[[], None]) -> None:
         """Add weight-gradient work to the key being captured (used by the TE path)."""
@@ -127,6 +163,7 @@ class WeightGradStore:
 
     def _push(self, key: Key, task: Callable[[], None]) -> None:
         self._tasks[key].append(task)
+        self._deferred += 1
 
     def run(self, key: Key) -> None:
         """The W pass of ``key``: run exactly the work its B pass deferred, in B's order."""
@@ -136,6 +173,7 @@ class WeightGradStore:
             raise WgradError(f"run({key!r}): nothing captured under this key; pending keys: {self.pending()}") from None
         for task in tasks:
             task()
+            self._run += 1
 
     def pending(self) -> list[Key]:
         """Keys captured and not run yet, in capture order."""
@@ -340,6 +378,32 @@ def disable_wgrad_split() -> None:
     function = _linear_function()
     if wgrad_split_enabled():
         function.backward = staticmethod(function.backward.megatron_backward)
+
+
+def has_splittable_linears(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has a megatron linear layer whose weight gradient a captured B defers."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    for layer in module.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            weight = getattr(layer, "weight", None)  # None: a tied output layer, weight given at forward
+            if weight is None or weight.requires_grad:
+                return True
+    return False
+
+
+def check_deferred(store: WeightGradStore, key: Key, chunk: torch.nn.Module, schedule_name: str) -> None:
+    """After a captured B: refuse a B that deferred nothing although ``chunk`` has linear layers.
+
+    That is the signature of a capture the backward did not see (a backward run on a thread or path
+    that bypasses it): every W would be empty and the schedule would silently lose its split.
+    """
+    if store.deferred_in(key) == 0 and has_splittable_linears(chunk):
+        raise WgradError(
+            f"--pipeline-schedule {schedule_name}: the B pass of {key!r} deferred no weight gradient although "
+            "its model chunk has megatron linear layers, so the B/W split is not happening; this is a bug "
+            "(please report it) - use a schedule without B/W split (1f1b, interleaved-1f1b) meanwhile"
+        )
 
 
 def check_ddp_config(ddp_config, schedule_name: str = "this schedule") -> None:
