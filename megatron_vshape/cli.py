@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from .progress import phase
 from .schedules import (
     SCHEDULES,
     Costs,
@@ -29,6 +30,7 @@ from .schedules import (
     Schedule,
     ScheduleError,
     get_schedule,
+    inputs,
     schedule_names,
     simulate,
     validate,
@@ -186,9 +188,20 @@ def _memory_model(args) -> MemoryModel:
                if v is None]
     if missing:
         raise UsageError(f"--memory-model gpt needs {', '.join(missing)} (e.g. --hidden 4096 --heads 32 --seq 4096)")
-    if min(args.hidden, args.heads, args.seq) <= 0:
-        raise UsageError("--hidden, --heads and --seq must be positive")
+    inputs.count("--hidden", args.hidden, 1, 1 << 20)
+    inputs.count("--heads", args.heads, 1, 1 << 14)
+    inputs.count("--seq", args.seq, 1, 1 << 24)
     return MemoryModel.for_gpt(args.hidden, args.heads, args.seq)
+
+
+def _size(args) -> inputs.Size:
+    """The requested size, checked for range and sane total before anything is built."""
+    spec = SCHEDULES.get(args.schedule)
+    inputs.count("--chunks", args.chunks, 1, inputs.MAX_CHUNKS)
+    chunks = 2 if spec is not None and spec.placement.value == "v" else 1
+    if args.schedule == "interleaved-1f1b":
+        chunks = args.chunks
+    return inputs.Size(args.stages, args.microbatches, chunks).check()
 
 
 def _build(args) -> Schedule:
@@ -197,25 +210,33 @@ def _build(args) -> Schedule:
         raise UsageError(f"--schedule: unknown schedule {args.schedule!r}; choose one of: {', '.join(names)}")
     if args.stages < 2:
         raise UsageError(f"--stages: need at least 2 pipeline devices; got {args.stages}")
-    if args.microbatches < 1:
-        raise UsageError(f"--microbatches: need at least 1; got {args.microbatches}")
-    if args.chunks < 1:
-        raise UsageError(f"--chunks: need at least 1; got {args.chunks}")
+    size = _size(args)
     minimum = SCHEDULES[args.schedule].min_microbatches(args.stages) if args.schedule in SCHEDULES else 1
     if args.microbatches < minimum:
         raise UsageError(f"--microbatches: {args.schedule} on {args.stages} devices needs at least {minimum}; "
                          f"got {args.microbatches}")
     kwargs = {"costs": _costs(args), "chunks": args.chunks}
     if args.memory_limit is not None:
-        if args.memory_limit <= 0:
-            raise UsageError(f"--memory-limit: must be > 0; got {args.memory_limit}")
-        kwargs["memory_limit"] = args.memory_limit
-    return get_schedule(args.schedule, args.stages, args.microbatches, **kwargs)
+        kwargs["memory_limit"] = inputs.real("--memory-limit", args.memory_limit, 0.0, 1.0, low_open=True)
+    _memory_model(args)  # a bad --memory-model combination fails before a long build
+    label = f"building {args.schedule} on {args.stages} devices x {args.microbatches} microbatches"
+    with phase(f"{label} ({size.passes:,} passes)", size.large):
+        return get_schedule(args.schedule, args.stages, args.microbatches, **kwargs)
+
+
+def _large(schedule: Schedule) -> bool:
+    return sum(map(len, schedule.programs)) > inputs.LARGE_PASSES
+
+
+def _validate(schedule: Schedule) -> None:
+    with phase("validating", _large(schedule)):
+        validate(schedule)
 
 
 def _simulate(schedule: Schedule, args):
-    validate(schedule)
-    return simulate(schedule, _costs(args), _memory_model(args))
+    _validate(schedule)
+    with phase("simulating", _large(schedule)):
+        return simulate(schedule, _costs(args), _memory_model(args))
 
 
 def _report(result, args) -> None:
@@ -278,12 +299,12 @@ def _cmd_export(args) -> int:
     schedule = _build(args)
     fmt = args.format
     if fmt == "torch-csv":
-        validate(schedule)
+        _validate(schedule)
         from .schedules.torch_csv import to_torch_csv
 
         text = to_torch_csv(schedule, merge_backward=args.merge_backward)
     elif fmt == "text":
-        validate(schedule)
+        _validate(schedule)
         text = schedule.to_text() + "\n"
     else:
         result = _simulate(schedule, args)
@@ -318,6 +339,8 @@ def _cmd_import(args) -> int:
     else:
         rows = tuple(tuple(parse_action(tok) for tok in line.split()) for line in text.strip().splitlines())
     placement = _placement(args, rows)
+    if args.microbatches is not None:
+        inputs.count("--microbatches", args.microbatches, 1, inputs.MAX_MICROBATCHES)
     if args.format == "torch-csv":
         schedule = from_torch_csv(text, name, placement, args.microbatches, args.fused_backward)
     else:
@@ -327,6 +350,8 @@ def _cmd_import(args) -> int:
             num_microbatches=args.microbatches if args.microbatches is not None else schedule.num_microbatches,
             fused_backward=bool(args.fused_backward),
         )
+        inputs.check_microbatches_held((a for row in rows for a in row), placement.num_stages,
+                                       schedule.num_microbatches, source=f"FILE {args.file}")
     _report(_simulate(schedule, args), args)
     return 0
 
@@ -336,9 +361,18 @@ def _placement(args, rows) -> Placement:
     devices = len(rows)
     if devices == 0:
         raise UsageError(f"FILE: {args.file} holds no schedule rows")
+    inputs.count(f"FILE {args.file}: rows (devices)", devices, 1, inputs.MAX_DEVICES)
+    passes = sum(map(len, rows))
+    if passes > inputs.MAX_PASSES:
+        raise UsageError(f"FILE: {args.file} holds {passes:,} passes, above the {inputs.MAX_PASSES:,} this tool reads")
     if args.stages is not None and args.stages != devices:
         raise UsageError(f"--stages: the file has {devices} rows (one per device) but --stages is {args.stages}")
-    num_stages = max((a.stage for row in rows for a in row), default=-1) + 1
+    used = {a.stage for row in rows for a in row}
+    num_stages = max(used, default=-1) + 1
+    if num_stages > len(used):  # a stage index far beyond the others would size the placement
+        missing = min(set(range(len(used) + 1)) - used)
+        raise UsageError(f"FILE: {args.file} uses stage {num_stages - 1} but no pass of stage {missing}; "
+                         "stages must be numbered 0, 1, 2, ... without gaps")
     if args.placement == "v":
         if args.chunks not in (None, 2):
             raise UsageError("--chunks: the v placement always has 2 chunks per device")
@@ -347,7 +381,7 @@ def _placement(args, rows) -> Placement:
                              f"{2 * devices} (try --placement looped)")
         return Placement.v_shape(devices)
     chunks = args.chunks if args.chunks is not None else max(1, -(-num_stages // devices))
-    if chunks < 1 or num_stages > chunks * devices:
+    if chunks < 1 or num_stages != chunks * devices:
         raise UsageError(f"--chunks: {chunks} chunks on {devices} devices hold {chunks * devices} stages; "
                          f"the file uses {num_stages}")
     return Placement.looped(devices, chunks)

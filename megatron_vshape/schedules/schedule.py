@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
+from . import inputs
 from .actions import Action, Kind, parse_action
 
 
@@ -77,26 +79,33 @@ class Costs:
     w: float = 1.0
     comm: float = 0.0
 
+    def __post_init__(self) -> None:
+        # NaN passes every `<= 0` check and hangs the reorder; infinity makes all times equal.
+        # The ranges are the caller's business (parse checks user text); finiteness is everyone's.
+        bad = [f"{name}={getattr(self, name)}" for name in ("f", "b", "w", "comm")
+               if not math.isfinite(getattr(self, name))]
+        if bad:
+            raise ScheduleError(f"costs must be finite numbers; got {', '.join(bad)}")
+
     def of(self, kind: Kind) -> float:
         return self.f if kind is Kind.F else self.b if kind is Kind.B else self.w
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """Parse ``"f=1,b=1.1,w=0.9,comm=0.05"``; omitted keys keep their defaults."""
+        """Parse ``"f=1,b=1.1,w=0.9,comm=0.05"``; omitted keys keep their defaults.
+
+        Each value must be finite and in range (see :mod:`.inputs`), else an InputError (a
+        ValueError) naming the field, e.g. ``--costs: f: must be a finite number in [...]``.
+        """
         values: dict[str, float] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
             key = key.strip().lower()
             if not sep or key not in ("f", "b", "w", "comm"):
-                raise ValueError(f"--costs: bad item {item!r}; use e.g. f=1,b=1,w=1,comm=0")
-            try:
-                values[key] = float(raw)
-            except ValueError:
-                raise ValueError(f"--costs: {key}={raw!r} is not a number") from None
-        costs = cls(**values)
-        if min(costs.f, costs.b, costs.w) <= 0 or costs.comm < 0:
-            raise ValueError("--costs: f, b and w must be > 0 and comm >= 0")
-        return costs
+                raise inputs.InputError(f"--costs: bad item {item[:40]!r}; use e.g. f=1,b=1,w=1,comm=0")
+            check = inputs.comm_cost if key == "comm" else inputs.cost
+            values[key] = check(f"--costs: {key}", raw.strip())
+        return cls(**values)
 
 
 @dataclass(frozen=True)

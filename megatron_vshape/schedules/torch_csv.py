@@ -42,12 +42,16 @@ import csv
 import io
 import re
 
+from . import inputs
 from .actions import Action, Kind
 from .schedule import Placement, Schedule, ScheduleError
 
 _CELL_RE = re.compile(r"^(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
 _OVERLAP_RE = re.compile(r"^\((.*)\)(\w+)$")
 _TO_TORCH = {Kind.F: "F", Kind.B: "I", Kind.W: "W"}
+# Longest stage or microbatch index read (10^9 - 1): beyond any real schedule, and it keeps int()
+# away from Python's digit limit. Larger but still absurd indices are caught by the checks below.
+_MAX_DIGITS = 9
 
 
 def to_torch_csv(schedule: Schedule, merge_backward: bool | None = None) -> str:
@@ -96,8 +100,10 @@ def from_torch_csv(
     ``num_microbatches`` defaults to the largest microbatch index + 1. ``fused_backward``
     defaults to True when every backward in the file is a full ``B`` (no ``I``/``W``). Raises
     :class:`ScheduleError` for malformed cells, a row count that is not the placement's device
-    count, or an action on a device that does not hold its stage. Completeness and dependency
-    order are left to :func:`~megatron_vshape.schedules.validate`.
+    count, or an action on a device that does not hold its stage, and an InputError (a ValueError)
+    for a microbatch count the file cannot hold (fewer forwards of some stage than microbatches:
+    checked before anything is sized by the count). Completeness and dependency order are left to
+    :func:`~megatron_vshape.schedules.validate`.
     """
     programs = parse_torch_csv(text)
     if len(programs) != placement.num_devices:
@@ -120,6 +126,8 @@ def from_torch_csv(
     if num_microbatches is None:
         microbatches = [a.microbatch for program in programs for a in program]
         num_microbatches = max(microbatches) + 1 if microbatches else 0
+    inputs.check_microbatches_held((a for program in programs for a in program), placement.num_stages,
+                                   num_microbatches, source="torch CSV")
     if fused_backward is None:
         fused_backward = _all_full_backward(text)
     return Schedule(name, placement, num_microbatches, tuple(programs), fused_backward=fused_backward)
@@ -132,7 +140,10 @@ def _all_full_backward(text: str) -> bool:
 
 def parse_torch_csv(text: str) -> tuple[tuple[Action, ...], ...]:
     """The CSV's rows as our actions (row r = rank r), with no placement checks."""
-    rows = list(csv.reader(io.StringIO(text)))
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as err:  # e.g. a field over the csv module's size limit
+        raise ScheduleError(f"torch CSV: not readable as CSV ({err})") from None
     # A trailing blank line (or a file ending with several newlines) is not a rank.
     while rows and not any(cell.strip() for cell in rows[-1]):
         rows.pop()
@@ -160,6 +171,9 @@ def _parse_cell(cell: str, rank: int, col: int) -> list[Action]:
         return []  # communication / FSDP / grad-reduction actions: not part of our programs
     if not mb_text:
         raise ScheduleError(f"torch CSV rank {rank}, cell {col + 1}: {cell!r} has no microbatch index")
+    if max(len(stage_text), len(mb_text)) > _MAX_DIGITS:
+        raise ScheduleError(f"torch CSV rank {rank}, cell {col + 1}: index in {cell[:40]!r} has more than "
+                            f"{_MAX_DIGITS} digits")
     stage, mb = int(stage_text), int(mb_text)
     if kind == "F":
         return [Action(Kind.F, stage, mb)]
