@@ -6,12 +6,14 @@ dependencies have finished; a dependency on another device also pays ``costs.com
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .actions import Action, Kind
-from .dependencies import dependencies
-from .drive import drive
+from .actions import Action
 from .schedule import Costs, MemoryModel, Schedule, ScheduleError
+from .timing import KINDS, Interval, ProgramTimes, Timeline, run_programs
+
+__all__ = ["DeadlockError", "Interval", "SimulationResult", "simulate"]
 
 
 class DeadlockError(ScheduleError):
@@ -19,17 +21,10 @@ class DeadlockError(ScheduleError):
 
 
 @dataclass(frozen=True)
-class Interval:
-    device: int
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
 class SimulationResult:
     schedule: Schedule
     costs: Costs
-    timeline: dict[Action, Interval]
+    timeline: Mapping[Action, Interval]
     makespan: float
     work_per_device: float
     bubble_rate: float
@@ -64,78 +59,58 @@ class SimulationResult:
 def simulate(
     schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()
 ) -> SimulationResult:
-    timeline = _run_programs(schedule, costs)
-    spans = []
-    for program in schedule.programs:
+    times = _run_programs(schedule, costs)
+    spans, work = [], []
+    for program in times.programs:
         if program:
-            spans.append(timeline[program[-1]].end - timeline[program[0]].start)
+            spans.append(times.end[program[-1]] - times.start[program[0]])
+        work.append(sum(times.durations[x // times.ids.per_kind] for x in program))
     makespan = max(spans, default=0.0)
-    work = max(schedule.work_per_device(costs), default=0.0)
-    bubble = 1.0 - work / makespan if makespan > 0 else 0.0
-    mem_timelines = tuple(
-        _memory_timeline(schedule, program, timeline, memory) for program in schedule.programs
-    )
+    most_work = max(work, default=0.0)
+    bubble = 1.0 - most_work / makespan if makespan > 0 else 0.0
+    activation = schedule.activation()
+    deltas = tuple(memory.delta(kind, activation) for kind in KINDS)
+    mem_timelines = tuple(_memory_timeline(times, program, deltas) for program in times.programs)
     peaks = tuple(max((v for _, v in tl), default=0.0) for tl in mem_timelines)
-    return SimulationResult(schedule, costs, timeline, makespan, work, bubble, peaks, mem_timelines)
+    timeline = Timeline(times, schedule.programs)
+    return SimulationResult(schedule, costs, timeline, makespan, most_work, bubble, peaks, mem_timelines)
 
 
-def _run_programs(schedule: Schedule, costs: Costs) -> dict[Action, Interval]:
+def _run_programs(schedule: Schedule, costs: Costs) -> ProgramTimes:
     """As-soon-as-possible execution of every device's program in order ("squeeze")."""
-    num_stages = schedule.num_stages
-    device_of = schedule.placement.device_of
-    timeline: dict[Action, Interval] = {}
-    device_free = [0.0] * schedule.num_devices
     scale = schedule.placement.layer_scale
-    duration = {kind: costs.of(kind) * scale for kind in Kind}
-
-    def inputs(action: Action):
-        deps = dependencies(action, num_stages)
-        if schedule.fused_backward and action.kind is Kind.B:
-            # The upstream gradient leaves only when that stage's fused B+W ends.
-            deps = tuple(Action(Kind.W, d.stage, d.microbatch) if d.kind is Kind.B else d for d in deps)
-        return deps
-
-    def needs(device: int, action: Action):
-        return inputs(action)
-
-    def run(device: int, action: Action):
-        ready = device_free[device]
-        for dep in inputs(action):
-            end = timeline[dep].end
-            if device_of(dep.stage) != device:
-                end += costs.comm
-            ready = max(ready, end)
-        end = ready + duration[action.kind]
-        timeline[action] = Interval(device, ready, end)
-        device_free[device] = end
-        return (action,)
-
-    cursor = drive(schedule.programs, needs, run)
-    stuck = [str(p[c]) for p, c in zip(schedule.programs, cursor) if c < len(p)]
+    placement = schedule.placement
+    times = run_programs(
+        schedule.programs, [placement.device_of(s) for s in range(placement.num_stages)],
+        schedule.num_stages, schedule.num_microbatches,
+        (costs.f * scale, costs.b * scale, costs.w * scale), costs.comm, schedule.fused_backward,
+    )
+    stuck = [str(schedule.programs[dev][times.cursor[dev]]) for dev in times.stuck]
     if stuck:
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: devices wait forever at {', '.join(stuck)}")
-    return timeline
+    return times
 
 
-def _memory_timeline(schedule, program, timeline, memory: MemoryModel):
+def _memory_timeline(times: ProgramTimes, program: list[int], deltas) -> tuple[tuple[float, float], ...]:
     """Activation memory of one device after each allocation/release event, in units.
 
-    F allocates at its start; B and W release at their end. Releases at the same instant
-    as an allocation are applied first.
+    F allocates at its start; B and W release at their end. Releases at the same instant as an
+    allocation are applied first. A device runs its program in order, so its F starts and its
+    B/W ends each come in time order already: merging the two is enough (no sort).
     """
-    activation = schedule.activation()
-    events = []
-    for action in program:
-        interval = timeline[action]
-        delta = memory.delta(action.kind, activation)
-        if action.kind is Kind.F:
-            events.append((interval.start, 1, delta))
-        elif delta:
-            events.append((interval.end, 0, delta))
-    events.sort()
-    level = 0.0
+    per_kind = times.ids.per_kind
+    allocs = [(times.start[x], deltas[0]) for x in program if x < per_kind]
+    releases = [(times.end[x], deltas[x // per_kind]) for x in program if x >= per_kind]
+    releases = [event for event in releases if event[1]]
     out = [(0.0, 0.0)]
-    for time, _, delta in events:
+    level, i, j = 0.0, 0, 0
+    while i < len(allocs) or j < len(releases):
+        if j < len(releases) and (i == len(allocs) or releases[j][0] <= allocs[i][0]):
+            time, delta = releases[j]
+            j += 1
+        else:
+            time, delta = allocs[i]
+            i += 1
         level += delta
         out.append((time, round(level, 9)))
     return tuple(out)

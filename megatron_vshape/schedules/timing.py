@@ -1,0 +1,182 @@
+"""The timing core: start and end of every pass when each device runs its program in order.
+
+A pass starts when its device is free and its inputs are there; an input from another device
+also pays ``costs.comm``. Passes are numbered ``(kind * num_stages + stage) * m + microbatch``
+so that times live in flat lists and the inputs of a pass are found by arithmetic (hashing
+hundreds of thousands of Action tuples was most of the simulator's time at d=64, m=512).
+
+Event driven like :func:`drive.drive`: a device that waits for an input registers on it and is
+woken when it is produced, so the cost is linear in the number of passes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from .actions import Action, Kind
+
+KIND_INDEX = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
+KINDS = (Kind.F, Kind.B, Kind.W)
+UNSET = -1.0
+
+
+@dataclass(frozen=True)
+class Interval:
+    device: int
+    start: float
+    end: float
+
+
+class PassIds:
+    """The numbering of (kind, stage, microbatch) used by the flat time lists."""
+
+    def __init__(self, num_stages: int, num_microbatches: int):
+        self.num_stages, self.num_microbatches = num_stages, num_microbatches
+        self.per_kind = num_stages * num_microbatches
+
+    def of(self, action: Action) -> int:
+        kind, stage, microbatch = action
+        if not (0 <= stage < self.num_stages and 0 <= microbatch < self.num_microbatches):
+            return -1
+        return (KIND_INDEX[kind] * self.num_stages + stage) * self.num_microbatches + microbatch
+
+    def action(self, pass_id: int) -> Action:
+        kind, rest = divmod(pass_id, self.per_kind)
+        stage, microbatch = divmod(rest, self.num_microbatches)
+        return Action(KINDS[kind], stage, microbatch)
+
+
+@dataclass
+class ProgramTimes:
+    """Result of running the programs: flat start/end lists, each program as pass ids, and the
+    programs' cursors (a cursor short of its program's length means that device is stuck)."""
+
+    ids: PassIds
+    programs: list[list[int]]
+    start: list[float]
+    end: list[float]
+    cursor: list[int]
+    durations: tuple[float, float, float]
+
+    @property
+    def stuck(self) -> list[int]:
+        return [dev for dev, program in enumerate(self.programs) if self.cursor[dev] < len(program)]
+
+
+def run_programs(
+    programs, device_of_stage, num_stages: int, num_microbatches: int,
+    durations: tuple[float, float, float], comm: float, fused_backward: bool = False,
+) -> ProgramTimes:
+    """As-soon-as-possible execution of every device's program in order.
+
+    ``durations`` are (F, B, W) per pass. With ``fused_backward`` a B waits for the W of the
+    stage after it (the gradient leaves only when that fused B+W ends).
+    """
+    ids = PassIds(num_stages, num_microbatches)
+    m, per_kind = num_microbatches, num_stages * num_microbatches
+    id_programs = [_ids_of(program, ids) for program in programs]
+    start = [0.0] * (3 * per_kind)
+    end = [UNSET] * (3 * per_kind)
+    grad_offset = m + (per_kind if fused_backward else 0)  # B(s) waits for B(s+1), or W(s+1) if fused
+    last_stage = num_stages - 1
+    cursor = [0] * len(id_programs)
+    free = [0.0] * len(id_programs)
+    waiters: dict[int, list[int]] = {}
+    queue = deque(range(len(id_programs)))
+    while queue:
+        device = queue.popleft()
+        program, c, now = id_programs[device], cursor[device], free[device]
+        length = len(program)
+        while c < length:
+            x = program[c]
+            if x < 0:
+                break  # not a pass of this schedule: stays stuck
+            kind, rest = divmod(x, per_kind)
+            ready = now
+            if kind == 0:
+                stage = rest // m
+                if stage:
+                    e = end[x - m]
+                    if e < 0:
+                        waiters.setdefault(x - m, []).append(device)
+                        break
+                    if device_of_stage[stage - 1] != device:
+                        e += comm
+                    if e > ready:
+                        ready = e
+            else:
+                e = end[x - per_kind]  # B needs its own F; W its own B
+                if e < 0:
+                    waiters.setdefault(x - per_kind, []).append(device)
+                    break
+                if e > ready:
+                    ready = e
+                if kind == 1:
+                    stage = rest // m
+                    if stage < last_stage:
+                        dep = x + grad_offset
+                        e = end[dep]
+                        if e < 0:
+                            waiters.setdefault(dep, []).append(device)
+                            break
+                        if device_of_stage[stage + 1] != device:
+                            e += comm
+                        if e > ready:
+                            ready = e
+            start[x] = ready
+            now = ready + durations[kind]
+            end[x] = now
+            woken = waiters.pop(x, None)
+            if woken:
+                queue.extend(woken)
+            c += 1
+        cursor[device], free[device] = c, now
+    return ProgramTimes(ids, id_programs, start, end, cursor, durations)
+
+
+def _ids_of(program, ids: PassIds) -> list[int]:
+    s_count, m = ids.num_stages, ids.num_microbatches
+    kind_index = KIND_INDEX
+    out = [(kind_index[kind] * s_count + stage) * m + mb for kind, stage, mb in program]
+    if out and not all(0 <= stage < s_count and 0 <= mb < m for _, stage, mb in program):
+        out = [ids.of(action) for action in program]  # rare: foreign passes get -1 (stuck)
+    return out
+
+
+class Timeline(Mapping):
+    """Action -> Interval over a :class:`ProgramTimes`, built on access (a dict of 200k
+    Intervals at d=64, m=512 cost more than the whole timing run)."""
+
+    def __init__(self, times: ProgramTimes, programs):
+        self._times, self._programs = times, programs
+        self._device: dict[int, int] | None = None
+
+    def _device_of(self, pass_id: int) -> int | None:
+        if self._device is None:
+            self._device = {x: dev for dev, program in enumerate(self._times.programs) for x in program}
+        return self._device.get(pass_id)
+
+    def __getitem__(self, action: Action) -> Interval:
+        x = self._times.ids.of(action)
+        device = self._device_of(x) if x >= 0 else None
+        if device is None or self._times.end[x] < 0:
+            raise KeyError(action)
+        return Interval(device, self._times.start[x], self._times.end[x])
+
+    def __iter__(self) -> Iterator[Action]:
+        for program in self._programs:
+            yield from program
+
+    def __len__(self) -> int:
+        return sum(len(program) for program in self._programs)
+
+    def items(self) -> list[tuple[Action, Interval]]:
+        times, out = self._times, []
+        for device, (program, id_program) in enumerate(zip(self._programs, times.programs)):
+            out.extend((action, Interval(device, times.start[x], times.end[x])) for action, x in zip(program, id_program))
+        return out
+
+    def values(self) -> list[Interval]:
+        return [interval for _, interval in self.items()]
