@@ -52,10 +52,12 @@ from megatron_vshape.schedules import (
     lower,
     validate,
 )
+from megatron_vshape.schedules.exchange import Op, exchange_programs
+from megatron_vshape.schedules.exchange import forward_only_plan as _forward_only_plan
 
 from . import compat
 from .active_stage import running_stage
-from .p2p import DirectionalGroups, PlanExchange
+from .p2p import PairGroups, PlanExchange
 from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
 
 PlanTransform = Callable[[DevicePlan], DevicePlan]
@@ -118,12 +120,11 @@ def build_forward_backward_func(
     chunks: int = 2,
     memory_limit: float | None = None,
     plan_transform: PlanTransform | None = None,
-    recv_window: int = 2,
     record_timeline: bool = False,
 ) -> ScheduleExecutor:
     """A megatron-style forward-backward function running ``schedule_name``.
 
-    ``plan_transform`` rewrites this rank's lowered plan before it runs; it exists for tests that
+    ``plan_transform`` rewrites every rank's lowered plan before it runs; it exists for tests that
     corrupt a plan on purpose and must otherwise stay None. With ``record_timeline`` the callable
     keeps ``last_timeline``: (action, start, end) wall-clock seconds of each pass of the last call
     on this rank (CPU timing; on GPU it measures launch, not kernel time), to compare with the
@@ -133,7 +134,7 @@ def build_forward_backward_func(
         raise ScheduleError(
             f"--pipeline-schedule: unknown schedule {schedule_name!r}; choose one of: {', '.join(SCHEDULES)}"
         )
-    executor = ScheduleExecutor(schedule_name, costs, chunks, memory_limit, plan_transform, recv_window)
+    executor = ScheduleExecutor(schedule_name, costs, chunks, memory_limit, plan_transform)
     executor.record_timeline = record_timeline
     return executor
 
@@ -156,13 +157,13 @@ class _Chunk:
 class ScheduleExecutor:
     """The callable returned by :func:`build_forward_backward_func` (no state shared across instances)."""
 
-    def __init__(self, name, costs, chunks, memory_limit, plan_transform, recv_window):
+    def __init__(self, name, costs, chunks, memory_limit, plan_transform):
         self.schedule_name = name
         self._costs, self._chunks, self._memory_limit = costs, chunks, memory_limit
         self._plan_transform = plan_transform
-        self._recv_window = recv_window
         self._schedules: dict[tuple[int, int], tuple[Schedule, tuple[DevicePlan, ...]]] = {}
-        self._groups: dict[tuple[int, ...], DirectionalGroups] = {}  # per pipeline group (its global ranks)
+        self._groups: dict[tuple[int, ...], PairGroups] = {}  # per pipeline group (its global ranks)
+        self._programs: dict[tuple[int, int, bool], tuple[tuple[Op, ...], ...]] = {}  # p2p, every rank
         self._wgrad = WeightGradAdapter()
         self.last_wgrad_counts = None  # weight gradients deferred / run by the last call (wgrad.WgradCounts)
         self.record_timeline = False
@@ -184,11 +185,24 @@ class ScheduleExecutor:
             self._schedules[key] = (schedule, lower(schedule))
         return self._schedules[key]
 
-    def directional_groups(self, pp_group) -> DirectionalGroups:
+    def pair_groups(self, pp_group) -> PairGroups:
+        """The p2p groups of ``pp_group``, created and warmed up on first use (collective over all ranks)."""
         key = tuple(torch.distributed.get_process_group_ranks(pp_group))
         if key not in self._groups:
-            self._groups[key] = DirectionalGroups.create(pp_group)
+            self._groups[key] = PairGroups.create(pp_group)
         return self._groups[key]
+
+    def exchange_program(self, num_devices: int, num_microbatches: int, forward_only: bool, rank: int):
+        """This rank's p2p program (``schedules.exchange``), derived from every rank's plan."""
+        key = (num_devices, num_microbatches, forward_only)
+        if key not in self._programs:
+            plans = self._lowered(num_devices, num_microbatches)[1]
+            if self._plan_transform is not None:
+                plans = tuple(map(self._plan_transform, plans))
+            if forward_only:
+                plans = tuple(map(_forward_only_plan, plans))
+            self._programs[key] = exchange_programs(plans, self._costs)
+        return self._programs[key][rank]
 
     # --- megatron signature -------------------------------------------------------------------
 
@@ -260,6 +274,7 @@ class _Iteration:
         if executor._plan_transform is not None:
             plan = executor._plan_transform(plan)
         self.plan = _forward_only_plan(plan) if forward_only else plan
+        self.program = executor.exchange_program(num_devices, num_microbatches, forward_only, self.rank)
         self.deferred = set() if forward_only else _deferred_backwards(executor.schedule_name, self.plan)
         if self.deferred:
             executor._wgrad.check_models(models, executor.schedule_name)
@@ -298,8 +313,7 @@ class _Iteration:
         timers = self.config.timers
         if timers is not None:
             timers("forward-backward", log_level=1).start(barrier=self.config.barrier_with_L1_time)
-        groups = self.executor.directional_groups(self.pp_group)
-        exchange = PlanExchange(self.plan, groups, self._make_buffer, self.executor._recv_window)
+        exchange = PlanExchange(self.program, self.executor.pair_groups(self.pp_group), self._make_buffer)
         # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
         # their reductions wait until the whole iteration's backward is done.
         tied_local = self.placement.kind is PlacementKind.V and tied_embedding_pair(self.models) is not None
@@ -310,6 +324,7 @@ class _Iteration:
             for index, step in enumerate(self.plan.steps):
                 for chunk_index in first_forward.get(index, ()):
                     self._sync_params(chunk_index)
+                exchange.advance(index)  # the sends and receives the p2p program posts before this step
                 self._receive(step, exchange)
                 start = time.perf_counter()
                 self._run(step.action, exchange, step)
@@ -513,14 +528,6 @@ def _first_forward_step(plan: DevicePlan, placement) -> dict[int, list[int]]:
     for stage, index in first.items():
         out.setdefault(index, []).append(placement.chunk_of(stage))
     return out
-
-
-def _forward_only_plan(plan: DevicePlan) -> DevicePlan:
-    steps = tuple(s for s in plan.steps if s.action.kind is Kind.F)
-    recv_order = {
-        peer: tuple(m for m in msgs if m.payload is Payload.ACTIVATION) for peer, msgs in plan.recv_order.items()
-    }
-    return DevicePlan(steps, {p: m for p, m in recv_order.items() if m})
 
 
 def _v_pg_collection(pg_collection):

@@ -1,150 +1,143 @@
-"""Point-to-point exchange for one device's lowered plan (``schedules.lower``).
+"""Point-to-point exchange: runs the exchange program of ``schedules/exchange.py`` on real ranks.
 
-Receives from each peer are posted strictly in ``plan.recv_order[peer]`` order, which is the order
-that peer sends them. Point-to-point without tags (NCCL) pairs the n-th receive with the n-th send
-of the same peer, so this order is what keeps an activation from ever landing in a gradient's
-buffer; it holds on gloo as well because every message here uses the same tag. We deliberately do
-not use megatron's batched p2p (measured to swap an activation with a gradient between one pair).
+The program (one per rank, computed from the lowered plans of every rank) says which batch of
+sends and receives to post before which pass; its docstring has the policy and the proof that it
+cannot hang under NCCL's rules, and ``schedules/nccl_model.py`` checks every schedule against
+those rules. This module only executes it:
 
-Each direction of the pipeline (towards higher ranks, towards lower ranks) has its own process group
-(:class:`DirectionalGroups`). On NCCL the point-to-point operations between one pair of ranks run
-on one stream per process group, in posting order; a receive posted ahead would otherwise hold up a
-later send to the same peer on that stream (the send waits behind the receive, the peer waits for
-the send: deadlock). With one group per direction, a pair's stream carries only one side's sends
-and the other side's receives, both in the one agreed order.
-
-Receives are posted a small window ahead per peer and waited on just before the pass that needs
-them; sends go out right after the producing pass. A helper thread waits on the sends in the order
-they were posted and drops each payload as soon as it is delivered: gloo reports a send complete
-only through ``wait()``, and waiting on the compute thread could block it behind a receive the
-peer has not posted yet.
+* :class:`PairGroups` makes one two-rank process group per pair of pipeline ranks that may talk
+  (collectively, in one order on every rank) and warms each one up with a token exchange, in the
+  order of :func:`~megatron_vshape.schedules.exchange.warmup_program`. NCCL creates communicators
+  lazily and each creation blocks until the peer creates the same one; after the warm-up no
+  creation is left for the iterations.
+* :class:`PlanExchange` issues the program's operations from the calling (compute) thread: a POST
+  is one ``batch_isend_irecv`` on the pair's group, a WAIT calls ``Work.wait()`` on its works
+  (on NCCL that makes the current stream wait; on gloo it blocks the CPU). Each POST is waited
+  for before the next operation, so at most one NCCL operation per rank is ever outstanding, and
+  no thread waits on NCCL work. Untagged NCCL pairs the n-th send with the n-th receive of a
+  channel; both sides post in the program's order, so each tensor lands in the buffer meant for
+  it (megatron's batched p2p, which swapped an activation and a gradient, is not used).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_vshape.schedules import DevicePlan, Message
-
-
-@dataclass
-class _PeerInbox:
-    order: tuple[Message, ...]
-    posted: int = 0  # receives posted so far (a prefix of ``order``)
-    pending: dict[Message, tuple[torch.Tensor, object]] = field(default_factory=dict)
+from megatron_vshape.schedules import Message
+from megatron_vshape.schedules.exchange import Op, OpKind, pipeline_pairs, warmup_program
 
 
 @dataclass(frozen=True)
-class DirectionalGroups:
-    """The pipeline group twice: ``up`` carries messages to higher pipeline ranks, ``down`` to lower."""
+class PairGroups:
+    """One process group per pair of pipeline ranks (``(lo, hi)``, pipeline ranks), warmed up."""
 
     ranks: tuple[int, ...]  # pipeline rank -> global rank
-    up: object
-    down: object
+    rank: int  # this process's pipeline rank
+    groups: dict[tuple[int, int], object]
 
     @classmethod
-    def create(cls, pp_group) -> DirectionalGroups:
-        """Collective over all ranks (every rank creates every pipeline group's pair, in one order)."""
+    def create(cls, pp_group) -> PairGroups:
+        """Collective over all ranks: every rank creates every pipeline group's pair groups, in one order."""
         mine = tuple(dist.get_process_group_ranks(pp_group))
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        up = down = None
+        groups: dict[tuple[int, int], object] = {}
         for ranks in sorted(set(map(tuple, everyone))):
-            pair = (dist.new_group(list(ranks)), dist.new_group(list(ranks)))
-            if ranks == mine:
-                up, down = pair
-        return cls(mine, up, down)
+            for lo, hi in pipeline_pairs(len(ranks)):
+                group = dist.new_group([ranks[lo], ranks[hi]])
+                if ranks == mine:
+                    groups[(lo, hi)] = group
+        made = cls(mine, mine.index(dist.get_rank()), groups)
+        made._warm_up()
+        return made
 
-    def group(self, src: int, dst: int):
-        return self.up if dst > src else self.down
+    def group(self, lo: int, hi: int):
+        return self.groups[(lo, hi)]
+
+    def _warm_up(self) -> None:
+        device = _device()
+        program = warmup_program(self.rank, len(self.ranks))
+        runner = PlanExchange(program, self, lambda transfer: torch.zeros(1, device=device))
+        runner.finish()
 
 
 class PlanExchange:
-    """Sends and receives of one iteration of one device's plan."""
+    """Executes one rank's exchange program for one iteration, step by step."""
 
-    def __init__(
-        self,
-        plan: DevicePlan,
-        groups: DirectionalGroups,
-        make_buffer: Callable[[Message], torch.Tensor],
-        window: int = 2,
-    ):
+    def __init__(self, program: Sequence[Op], groups: PairGroups, make_buffer: Callable[[object], torch.Tensor]):
+        self._program = program
+        self._next = 0
         self._groups = groups
-        self._ranks = groups.ranks
         self._make_buffer = make_buffer
-        self._window = max(1, window)
-        self._inboxes = {peer: _PeerInbox(order) for peer, order in plan.recv_order.items()}
-        self._position = {msg: i for inbox in self._inboxes.values() for i, msg in enumerate(inbox.order)}
-        self._sends = _SendReaper()
-        for peer in self._inboxes:
-            self._post_upto(peer, self._window)
+        self._outbox: dict[Message, torch.Tensor] = {}
+        self._received: dict[Message, torch.Tensor] = {}
+        # program position -> (works, [(message, receive buffer)], sent tensors)
+        self._posted: dict[int, tuple[list, list, list]] = {}
 
-    def _post_upto(self, peer: int, count: int) -> None:
-        inbox = self._inboxes[peer]
-        while inbox.posted < min(count, len(inbox.order)):
-            msg = inbox.order[inbox.posted]
-            buffer = self._make_buffer(msg)
-            work = dist.irecv(buffer, src=self._ranks[peer], group=self._groups.group(msg.src, msg.dst))
-            inbox.pending[msg] = (buffer, work)
-            inbox.posted += 1
+    def advance(self, step: int) -> None:
+        """Issue every operation that comes before plan step ``step``."""
+        while self._next < len(self._program):
+            op = self._program[self._next]
+            if op.kind is OpKind.COMPUTE:
+                if op.index != step:
+                    raise RuntimeError(f"exchange program expects plan step {op.index}, the executor runs {step}")
+                self._next += 1
+                return
+            self._issue(op)
+        raise RuntimeError(f"exchange program has no plan step {step}")
 
     def recv(self, msg: Message) -> torch.Tensor:
-        """Wait for ``msg`` (posting every earlier receive from its sender first) and return it."""
-        inbox = self._inboxes[msg.src]
-        position = self._position[msg]
-        self._post_upto(msg.src, position + 1)
-        buffer, work = inbox.pending.pop(msg)
-        work.wait()
-        self._post_upto(msg.src, position + 1 + self._window)
-        return buffer
+        """The tensor of ``msg`` (received by an earlier :meth:`advance`)."""
+        try:
+            return self._received.pop(msg)
+        except KeyError:
+            raise RuntimeError(f"p2p: {msg} is needed before the exchange program received it") from None
 
     def send(self, msg: Message, tensor: torch.Tensor) -> None:
-        # A detached handle keeps the storage alive until the send completes, even if the caller
-        # pseudo-frees the tensor's .data right after (megatron's deallocate_pipeline_outputs).
-        payload = tensor.detach().contiguous()
-        work = dist.isend(payload, dst=self._ranks[msg.dst], group=self._groups.group(msg.src, msg.dst))
-        self._sends.put(work, payload)
+        """Hand over ``msg``; the program posts it at its slot."""
+        # A detached handle keeps the storage alive until the send is posted and waited for, even
+        # if the caller pseudo-frees the tensor's .data right after (deallocate_pipeline_outputs).
+        self._outbox[msg] = tensor.detach().contiguous()
 
     def finish(self) -> None:
-        """Wait for every send; fail if a receive of the plan was never consumed."""
-        self._sends.close()
-        left = [str(m) for inbox in self._inboxes.values() for m in inbox.order[inbox.posted:]]
-        left += [str(m) for inbox in self._inboxes.values() for m in inbox.pending]
+        """Issue the operations after the last step; fail if a message was not used."""
+        while self._next < len(self._program):
+            op = self._program[self._next]
+            if op.kind is OpKind.COMPUTE:
+                raise RuntimeError(f"p2p: the executor stopped before plan step {op.index}")
+            self._issue(op)
+        left = [f"unsent {m}" for m in self._outbox] + [f"unused {m}" for m in self._received]
         if left:
-            raise RuntimeError(f"p2p plan finished with unconsumed receives: {', '.join(left)}")
+            raise RuntimeError(f"p2p plan finished with messages left: {', '.join(left)}")
+
+    def _issue(self, op: Op) -> None:
+        position, self._next = self._next, self._next + 1
+        if op.kind is OpKind.WAIT:
+            works, buffers, _sent = self._posted.pop(op.index)  # the sent tensors may go now
+            for work in works:
+                work.wait()
+            for msg, buffer in buffers:
+                if msg is not None:
+                    self._received[msg] = buffer
+            return
+        me, ranks = self._groups.rank, self._groups.ranks
+        group = self._groups.group(op.comm.lo, op.comm.hi)
+        ops, buffers, sent = [], [], []
+        for transfer in op.transfers:
+            if transfer.src == me:
+                tensor = self._outbox.pop(transfer.message) if transfer.message is not None else self._make_buffer(None)
+                ops.append(dist.P2POp(dist.isend, tensor, ranks[transfer.dst], group))
+                sent.append(tensor)
+            else:
+                buffer = self._make_buffer(transfer.message)
+                ops.append(dist.P2POp(dist.irecv, buffer, ranks[transfer.src], group))
+                buffers.append((transfer.message, buffer))
+        self._posted[position] = (list(dist.batch_isend_irecv(ops)), buffers, sent)
 
 
-class _SendReaper:
-    """Waits on posted sends off the compute thread and frees each payload once delivered."""
-
-    def __init__(self):
-        self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="vshape-send-reaper", daemon=True)
-        self._thread.start()
-
-    def put(self, work, payload: torch.Tensor) -> None:
-        self._queue.put((work, payload))
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            try:
-                item[0].wait()
-            except BaseException as err:  # noqa: B036 - handed to the compute thread in close()
-                self._error = self._error or err
-            del item  # the last reference to the payload: its memory goes now
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise RuntimeError(f"a pipeline send failed: {self._error}") from self._error
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

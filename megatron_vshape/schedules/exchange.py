@@ -1,0 +1,252 @@
+"""The exchange program: every point-to-point operation a pipeline rank issues, in issue order.
+
+Pure Python. ``runtime/p2p.py`` executes these programs and ``schedules/nccl_model.py`` checks
+them against NCCL's rules, so the model checks exactly the operations the runtime issues.
+
+Policy: **one global order of pairwise rendezvous.**
+
+* Every pair of pipeline ranks that exchanges messages has its own communicator (a two-rank
+  process group). Warm-up: right after the groups exist, each rank exchanges one token with each
+  of its partners, walking the pairs in one sorted order shared by every rank
+  (:func:`warmup_program`). NCCL creates a communicator lazily at its first operation and blocks
+  until the peer does the same; in that one order, creation can never wait in a cycle.
+* Per iteration (:func:`exchange_programs`): the lowered plans of *all* ranks are run through a
+  timed as-soon-as-possible simulation. Every message of a channel (sender, receiver) becomes a
+  *slot*, exchanged in the channel's send order at the moment its sender has produced it. Sorting
+  every pass and every slot by simulated time gives one global order G; each rank's program is its
+  own subsequence of G. A slot is posted as one batch on the pair's communicator (its send on one
+  side, its receive on the other) and waited for before anything else is issued; slots that are
+  adjacent in *both* partners' subsequences are fused into one batch (a send and a receive posted
+  together, as Megatron's ``send_forward_recv_backward``), which is the same as moving them next
+  to each other in G.
+
+Why it cannot deadlock, on one in-order queue per rank (``CUDA_DEVICE_MAX_CONNECTIONS=1``) or on
+many: take the earliest unfinished event of G. Every earlier event is finished, and each rank
+issues its events in G order with nothing else outstanding, so the event is at the head of every
+queue it is in and every stream dependency it has points to an earlier (finished) event. A pass
+then runs; a batch then runs on both of its ranks at once, and NCCL pairs the n-th send with the
+n-th receive of each channel, which both sides posted in the same G order: the receive gets the
+message it expects, by construction. By induction every event finishes. Only one NCCL operation is
+ever outstanding per rank, so a receive never sits in the queue in front of compute.
+
+The receiving side labels its n-th receive of a channel with ``plan.recv_order[peer][n]`` (the
+lowering's contract), the sending side with its n-th send; they agree on every correct plan, and
+the NCCL model reports any slot where they do not (a swapped activation and gradient).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from .actions import Kind
+from .comm import CommError, DevicePlan, Message, Payload
+from .drive import drive
+from .schedule import Costs
+
+PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
+
+
+class Comm(NamedTuple):
+    """One communicator: the pair ``(lo, hi)`` of pipeline ranks in process-group family ``group``."""
+
+    group: str
+    lo: int
+    hi: int
+
+    @classmethod
+    def of(cls, group: str, a: int, b: int) -> Comm:
+        return cls(group, min(a, b), max(a, b))
+
+
+class Transfer(NamedTuple):
+    """One tensor moved from pipeline rank ``src`` to ``dst``; ``message`` None is the warm-up token."""
+
+    src: int
+    dst: int
+    message: Message | None
+
+
+class OpKind(enum.Enum):
+    POST = "post"  # post one batch of transfers on a communicator (returns at once)
+    WAIT = "wait"  # later work waits for an earlier POST (on NCCL: the stream waits, not the CPU)
+    COMPUTE = "compute"  # run plan step ``index``
+
+    __hash__ = object.__hash__
+
+
+class Op(NamedTuple):
+    kind: OpKind
+    comm: Comm | None = None
+    transfers: tuple[Transfer, ...] = ()
+    index: int = -1  # COMPUTE: the plan step; WAIT: the position of its POST in the program
+
+    def __str__(self) -> str:
+        if self.kind is OpKind.COMPUTE:
+            return f"compute step {self.index}"
+        if self.kind is OpKind.WAIT:
+            return f"wait op {self.index}"
+        parts = ", ".join(f"{'warm-up' if t.message is None else t.message}" for t in self.transfers)
+        return f"post {self.comm.group}({self.comm.lo},{self.comm.hi}): {parts}"
+
+
+def forward_only_plan(plan: DevicePlan) -> DevicePlan:
+    """The plan of a forward-only (evaluation) call: the forwards and their activations."""
+    steps = tuple(s for s in plan.steps if s.action.kind is Kind.F)
+    recv_order = {
+        peer: tuple(m for m in msgs if m.payload is Payload.ACTIVATION) for peer, msgs in plan.recv_order.items()
+    }
+    return DevicePlan(steps, {p: m for p, m in recv_order.items() if m})
+
+
+def pipeline_pairs(num_devices: int) -> tuple[tuple[int, int], ...]:
+    """Every pair of pipeline ranks a placement can connect: neighbours, and the wrap (last, first)."""
+    pairs = {(i, i + 1) for i in range(num_devices - 1)}
+    if num_devices > 2:
+        pairs.add((0, num_devices - 1))
+    return tuple(sorted(pairs))
+
+
+def warmup_program(rank: int, num_devices: int) -> tuple[Op, ...]:
+    """Connect every pair of ``rank`` once, in the sorted order every rank follows."""
+    ops: list[Op] = []
+    for lo, hi in pipeline_pairs(num_devices):
+        if rank in (lo, hi):
+            ops.append(Op(OpKind.POST, Comm(PAIR_GROUP, lo, hi), (Transfer(lo, hi, None), Transfer(hi, lo, None))))
+            ops.append(Op(OpKind.WAIT, index=len(ops) - 1))
+    return tuple(ops)
+
+
+class _Slot(NamedTuple):
+    time: float
+    src: int
+    dst: int
+    position: int  # n-th message of the channel src -> dst
+
+
+def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs()) -> tuple[tuple[Op, ...], ...]:
+    """The per-iteration program of every rank (see the module docstring)."""
+    sends = _send_orders(plans)
+    _check_channels(plans, sends)
+    starts, slots = _timed_run(plans, sends, costs)
+    events: list[tuple] = [(s.time, 0, s.src, s.dst, s.position) for s in slots]
+    events += [(start, 1, device, index, 0) for device, device_starts in enumerate(starts)
+               for index, start in enumerate(device_starts)]
+    events.sort()
+    sequences: list[list[tuple]] = [[] for _ in plans]
+    for event in events:
+        if event[1] == 0:
+            sequences[event[2]].append(event)
+            sequences[event[3]].append(event)
+        else:
+            sequences[event[2]].append(event)
+    batches = _fuse(sequences)
+    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends) for rank in range(len(plans)))
+
+
+def _send_orders(plans) -> dict[tuple[int, int], list[Message]]:
+    sends: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for plan in plans:
+        for step in plan.steps:
+            for msg in step.sends:
+                sends[(msg.src, msg.dst)].append(msg)
+    return sends
+
+
+def _check_channels(plans, sends) -> None:
+    known = set(pipeline_pairs(len(plans)))
+    for (src, dst), msgs in sends.items():
+        if (min(src, dst), max(src, dst)) not in known:
+            raise CommError(f"messages {src}->{dst} between ranks that are not pipeline neighbours")
+        order = plans[dst].recv_order.get(src, ())
+        if len(order) != len(msgs):
+            raise CommError(f"device {dst} expects {len(order)} messages from {src}, which sends {len(msgs)}")
+    for dst, plan in enumerate(plans):
+        for src, order in plan.recv_order.items():
+            if order and (src, dst) not in sends:
+                raise CommError(f"device {dst} expects messages from {src}, which sends none")
+
+
+def _timed_run(plans, sends, costs: Costs):
+    """As-soon-as-possible run of the plans: each pass's start, and each slot's time.
+
+    A pass waits for the slots that carry its receives (by the receiver's labels); slot n of a
+    channel happens when its sender has produced message n and slot n-1 has happened.
+    """
+    send_position = {msg: n for msgs in sends.values() for n, msg in enumerate(msgs)}
+    recv_position = {(src, dst, msg): n for dst, plan in enumerate(plans)
+                     for src, order in plan.recv_order.items() for n, msg in enumerate(order)}
+    slot_time: dict[tuple[int, int, int], float] = {}
+    starts: list[list[float]] = [[] for _ in plans]
+    free = [0.0] * len(plans)
+
+    def needs(device, step):
+        try:
+            return [(m.src, device, recv_position[(m.src, device, m)]) for m in step.recvs]
+        except KeyError as missing:
+            raise CommError(f"device {device} receives {missing} but its recv_order lacks it") from None
+
+    def run(device, step):
+        start = max([free[device]] + [slot_time[key] for key in needs(device, step)])
+        starts[device].append(start)
+        free[device] = start + costs.of(step.action.kind)
+        made = []
+        for msg in step.sends:
+            n = send_position[msg]
+            key = (msg.src, msg.dst, n)
+            slot_time[key] = max(free[device], slot_time.get((msg.src, msg.dst, n - 1), 0.0))
+            made.append(key)
+        return made
+
+    cursor = drive([plan.steps for plan in plans], needs, run)
+    stuck = [f"device {d} at step {c}" for d, (c, plan) in enumerate(zip(cursor, plans)) if c < len(plan.steps)]
+    if stuck:
+        raise CommError("p2p plan deadlocks (a receive waits for a message never sent before it): " + "; ".join(stuck))
+    return starts, [_Slot(t, src, dst, n) for (src, dst, n), t in slot_time.items()]
+
+
+def _fuse(sequences) -> dict[tuple, int]:
+    """Slot event -> batch id; consecutive slots of one pair adjacent on both of its ranks share a batch."""
+    previous: dict[tuple, list[tuple | None]] = defaultdict(list)  # the event before, on each of its ranks
+    for sequence in sequences:
+        for i, event in enumerate(sequence):
+            if event[1] == 0:
+                previous[event].append(sequence[i - 1] if i else None)
+    batches: dict[tuple, int] = {}
+    for event in sorted(previous):  # G order
+        before = previous[event]
+        pair = {event[2], event[3]}
+        prior = before[0]
+        joinable = (prior is not None and all(b == prior for b in before) and prior[1] == 0
+                    and {prior[2], prior[3]} == pair)
+        batches[event] = batches[prior] if joinable else len(batches)
+    return batches
+
+
+def _emit(rank, sequence, batches, plan: DevicePlan, sends) -> tuple[Op, ...]:
+    ops: list[Op] = []
+    current: list[Transfer] = []
+    current_batch = None
+
+    def close():
+        if current:
+            src, dst = current[0].src, current[0].dst
+            ops.append(Op(OpKind.POST, Comm.of(PAIR_GROUP, src, dst), tuple(current)))
+            ops.append(Op(OpKind.WAIT, index=len(ops) - 1))
+            current.clear()
+
+    for event in sequence:
+        if event[1] == 1:
+            close()
+            ops.append(Op(OpKind.COMPUTE, index=event[3]))
+            continue
+        _, _, src, dst, n = event
+        if batches[event] != current_batch:
+            close()
+            current_batch = batches[event]
+        message = sends[(src, dst)][n] if src == rank else plan.recv_order[src][n]
+        current.append(Transfer(src, dst, message))
+    close()
+    return tuple(ops)

@@ -1,0 +1,257 @@
+"""A model of NCCL's rules, to prove that exchange programs cannot hang on a GPU (pure Python).
+
+No CPU test can see an NCCL hang: gloo connects when a group is created and runs every operation
+on its own threads. This model runs the per-rank operation lists of ``schedules/exchange.py`` (the
+very ones ``runtime/p2p.py`` issues) under the rules that matter:
+
+* **Lazy communicators.** The first POST on a communicator creates it, and creation blocks the
+  rank's host thread until every member is creating the same communicator (megatron.training
+  initialises torch.distributed without ``device_id``).
+* **Queues.** Every kernel of a rank goes to one queue. With ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+  (``single_queue``) that is one in-order hardware queue per rank for every stream; otherwise
+  compute has its own queue and each communicator its own (one NCCL stream per communicator). A
+  kernel runs only at the head of its queue, once the kernels it depends on have finished: a POST
+  depends on everything issued to compute before it (torch makes the NCCL stream wait for the
+  current stream), and a WAIT puts a marker on the compute queue that depends on its POST.
+* **Rendezvous.** A POST is one NCCL kernel for all its transfers (a batch). Its n-th send to a
+  peer on a communicator pairs with that peer's n-th receive from it on the same communicator, and
+  a part completes only while both kernels are running (a send completes only when the peer's
+  receive runs; a receive blocks its queue until matched). A kernel finishes when all its parts
+  have. Compute kernels just run.
+
+The host never waits for the GPU otherwise. :func:`run_nccl_model` raises :class:`NcclDeadlock`
+when the ranks stop with work left, and :class:`NcclMismatch` when NCCL would pair a receive with
+a different message than the receiver expects.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .comm import CommError, DevicePlan
+from .exchange import Comm, Op, OpKind, Transfer, exchange_programs, forward_only_plan, warmup_program
+from .schedule import Costs
+
+COMPUTE_QUEUE = "compute"
+
+
+class NcclDeadlock(CommError):
+    """Under NCCL's rules the programs stop with work left."""
+
+
+class NcclMismatch(CommError):
+    """NCCL would deliver a message into a receive that expects another one."""
+
+
+@dataclass(eq=False, slots=True)
+class _Kernel:
+    rank: int
+    op: Op  # what the host issued (for the deadlock report)
+    deps: tuple[_Kernel, ...] = ()
+    parts: list[_Part] = field(default_factory=list)
+    running: bool = False
+    done: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Part:
+    kernel: _Kernel
+    transfer: Transfer
+    channel: tuple  # (comm, src, dst)
+    position: int  # n-th send (or receive) of the channel
+    is_send: bool
+    matched: bool = False
+
+
+@dataclass
+class _Rank:
+    segments: Sequence[Sequence[Op]]
+    segment: int = 0
+    cursor: int = 0
+    creating: Comm | None = None
+    posts: dict[int, _Kernel] = field(default_factory=dict)  # program position -> POST kernel (this segment)
+    queues: dict[object, deque] = field(default_factory=lambda: defaultdict(deque))
+    compute_tail: _Kernel | None = None
+
+    def current(self) -> Op | None:
+        while self.segment < len(self.segments):
+            ops = self.segments[self.segment]
+            if self.cursor < len(ops):
+                return ops[self.cursor]
+            self.segment, self.cursor = self.segment + 1, 0
+            self.posts = {}
+        return None
+
+
+class _Model:
+    def __init__(self, programs, single_queue: bool):
+        self.ranks = [_Rank(segments) for segments in programs]
+        self.single_queue = single_queue
+        self.created: set[Comm] = set()
+        self.joining: dict[Comm, set[int]] = defaultdict(set)
+        self.parts: dict[tuple, dict[bool, list[_Part]]] = defaultdict(lambda: {True: [], False: []})
+        self.work: deque[int] = deque(range(len(self.ranks)))
+
+    # --- host -------------------------------------------------------------------------------
+
+    def issue(self, r: int) -> bool:
+        rank, progressed = self.ranks[r], False
+        while (op := rank.current()) is not None:
+            if op.kind is OpKind.POST and op.comm not in self.created:
+                if not self.join(r, op.comm):
+                    break
+            self.issue_op(r, op)
+            rank.cursor += 1
+            progressed = True
+        return progressed
+
+    def join(self, r: int, comm: Comm) -> bool:
+        """Lazy creation: block until every member of ``comm`` is creating it too."""
+        members = {comm.lo, comm.hi}
+        if r not in members:
+            raise CommError(f"rank {r} posts on communicator {comm} it is not a member of")
+        self.ranks[r].creating = comm
+        self.joining[comm].add(r)
+        if self.joining[comm] != members:
+            return False
+        self.created.add(comm)
+        for member in members:
+            self.ranks[member].creating = None
+            if member != r:
+                self.work.append(member)
+        return True
+
+    def issue_op(self, r: int, op: Op) -> None:
+        rank = self.ranks[r]
+        if op.kind is OpKind.COMPUTE:
+            self.enqueue(r, COMPUTE_QUEUE, _Kernel(r, op, self.tail_deps(rank)))
+        elif op.kind is OpKind.WAIT:
+            self.enqueue(r, COMPUTE_QUEUE, _Kernel(r, op, self.tail_deps(rank) + (rank.posts.pop(op.index),)))
+        else:
+            kernel = _Kernel(r, op, self.tail_deps(rank))
+            for transfer in op.transfers:
+                if r not in (transfer.src, transfer.dst) or {transfer.src, transfer.dst} != {op.comm.lo, op.comm.hi}:
+                    raise CommError(f"rank {r}: transfer {transfer} does not belong on {op.comm}")
+                channel = (op.comm, transfer.src, transfer.dst)
+                is_send = transfer.src == r
+                mine = self.parts[channel][is_send]
+                mine.append(_Part(kernel, transfer, channel, len(mine), is_send))
+                kernel.parts.append(mine[-1])
+            rank.posts[rank.cursor] = kernel
+            self.enqueue(r, op.comm, kernel)
+
+    def tail_deps(self, rank: _Rank) -> tuple[_Kernel, ...]:
+        return (rank.compute_tail,) if rank.compute_tail is not None else ()
+
+    def enqueue(self, r: int, queue, kernel: _Kernel) -> None:
+        rank = self.ranks[r]
+        rank.queues["hw" if self.single_queue else queue].append(kernel)
+        if queue == COMPUTE_QUEUE:
+            rank.compute_tail = kernel
+
+    # --- device -----------------------------------------------------------------------------
+
+    def advance_queues(self, r: int) -> bool:
+        progressed = False
+        for queue in self.ranks[r].queues.values():
+            while queue:
+                head = queue[0]
+                if not head.running:
+                    if not all(dep.done for dep in head.deps):
+                        break
+                    head.running = True
+                    self.match(head)
+                if not all(part.matched for part in head.parts):
+                    break
+                head.done = True
+                queue.popleft()
+                progressed = True
+        return progressed
+
+    def match(self, kernel: _Kernel) -> None:
+        for part in kernel.parts:
+            others = self.parts[part.channel][not part.is_send]
+            if part.position >= len(others):
+                continue
+            other = others[part.position]
+            if not other.kernel.running:
+                continue
+            if part.transfer.message != other.transfer.message:
+                send, recv = (part, other) if part.is_send else (other, part)
+                raise NcclMismatch(
+                    f"on {part.channel[0]}, rank {recv.kernel.rank} expects {recv.transfer.message} "
+                    f"and receives {send.transfer.message}"
+                )
+            part.matched = other.matched = True
+            self.work.append(other.kernel.rank)
+
+    def run(self) -> None:
+        while self.work:
+            r = self.work.popleft()
+            while self.issue(r) | self.advance_queues(r):
+                pass
+        stuck = [self.describe(r) for r, rank in enumerate(self.ranks)
+                 if rank.current() is not None or any(rank.queues.values())]
+        if stuck:
+            raise NcclDeadlock("NCCL deadlock: " + "; ".join(stuck))
+
+    def describe(self, r: int) -> str:
+        rank = self.ranks[r]
+        op = rank.current()
+        host = "host done" if op is None else (
+            f"host creating {rank.creating}" if rank.creating is not None else f"host at {op}")
+        heads = [str(q[0].op) for q in rank.queues.values() if q]
+        return f"rank {r}: {host}, queue heads [{' | '.join(heads)}]"
+
+
+def run_nccl_model(programs: Sequence[Sequence[Sequence[Op]]], single_queue: bool) -> None:
+    """Run ``programs[rank]`` (a list of op lists, e.g. warm-up then iterations) under NCCL's rules.
+
+    ``single_queue`` models ``CUDA_DEVICE_MAX_CONNECTIONS=1``. Raises :class:`NcclDeadlock` or
+    :class:`NcclMismatch`; returns None when every operation of every rank completes.
+    """
+    _Model(programs, single_queue).run()
+
+
+def check_exchange(plans: Sequence[DevicePlan], single_queue: bool, costs: Costs = Costs()) -> None:
+    """Model what the runtime issues for ``plans``: the warm-up, a training call, an evaluation call."""
+    train = exchange_programs(plans, costs)
+    evaluate = exchange_programs([forward_only_plan(plan) for plan in plans], costs)
+    run_nccl_model([(warmup_program(r, len(plans)), train[r], evaluate[r]) for r in range(len(plans))], single_queue)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m megatron_vshape.schedules.nccl_model``: every schedule, PP 2..N, m in {min, d, 2d}."""
+    import argparse
+    import time
+
+    from .comm import lower
+    from .registry import SCHEDULES, get_schedule
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-pp", type=int, default=16, help="largest pipeline size (default 16)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated names (default all)")
+    args = parser.parse_args(argv)
+    failures = 0
+    for name in args.schedules.split(","):
+        start, runs = time.monotonic(), 0
+        for d in range(2, args.max_pp + 1):
+            low = SCHEDULES[name].min_microbatches(d)
+            for m in sorted({low, max(low, d), 2 * d}):
+                plans = lower(get_schedule(name, d, m))
+                for single_queue in (True, False):
+                    runs += 1
+                    try:
+                        check_exchange(plans, single_queue)
+                    except CommError as err:
+                        failures += 1
+                        print(f"FAIL {name} pp={d} m={m} single_queue={single_queue}: {err}")
+        print(f"{name}: {runs} runs (pp 2..{args.max_pp}, both queue settings) in {time.monotonic() - start:.1f} s")
+    print("all NCCL-safe" if not failures else f"{failures} failing runs")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

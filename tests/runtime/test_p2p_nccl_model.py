@@ -1,0 +1,256 @@
+"""The p2p programs the runtime issues cannot hang under NCCL's rules (pure Python, no torch).
+
+``schedules.nccl_model`` runs the per-rank operation lists of ``schedules.exchange`` (the ones
+``runtime/p2p.py`` executes) under lazy pair-communicator creation, one in-order queue per rank
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``) or one queue per stream, and rendezvous matching. The old p2p
+policy (receives pre-posted two ahead, one process group per direction, no warm-up, a thread that
+waits on sends) is rebuilt here from its description and must hang in the same model.
+The exhaustive grid (every schedule, PP 2..16, m in {min, d, 2d}) is
+``python -m megatron_vshape.schedules.nccl_model``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_vshape.schedules import SCHEDULES, DevicePlan, get_schedule, lower, schedule_names
+from megatron_vshape.schedules.comm import CommError
+from megatron_vshape.schedules.exchange import (
+    Comm,
+    Op,
+    OpKind,
+    Transfer,
+    exchange_programs,
+    forward_only_plan,
+    pipeline_pairs,
+    warmup_program,
+)
+from megatron_vshape.schedules.nccl_model import NcclDeadlock, NcclMismatch, check_exchange, run_nccl_model
+
+QUEUE_SETTINGS = pytest.mark.parametrize("single_queue", [True, False], ids=["max-connections-1", "streams"])
+
+
+def _sizes(name: str):
+    """PP 2..16 with a few microbatch counts: m < d everywhere, m >= d (steady state) on most sizes."""
+    for d in range(2, 17):
+        counts = {3}
+        if d <= 6:
+            counts |= {d, 2 * d}
+        elif d in (8, 16):
+            counts.add(d)
+        if SCHEDULES[name].min_microbatches(d) == d:  # interleaved: multiples of d
+            counts = {-(-m // d) * d for m in counts}
+        for m in sorted(counts):
+            yield d, m
+
+
+def _plans(name: str, d: int, m: int) -> tuple[DevicePlan, ...]:
+    return lower(get_schedule(name, d, m))
+
+
+# --- the policy the runtime uses --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in schedule_names() if n != "v-auto"])
+def test_every_schedule_is_nccl_safe_for_pp_2_to_16(name):
+    for d, m in _sizes(name):
+        plans = _plans(name, d, m)
+        for single_queue in (True, False):
+            check_exchange(plans, single_queue)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 5])
+def test_v_auto_is_nccl_safe(d):
+    """v-auto takes seconds to build per size, so the test covers PP 2..5; the module's CLI covers 2..16."""
+    for m in (3, 2 * d):
+        plans = lower(get_schedule("v-auto", d, m))
+        for single_queue in (True, False):
+            check_exchange(plans, single_queue)
+
+
+def test_one_operation_outstanding_and_every_step_in_order():
+    for name in ("v-half", "zb-2p", "interleaved-1f1b"):
+        plans = _plans(name, 4, 8)
+        for rank, program in enumerate(exchange_programs(plans)):
+            steps = [op.index for op in program if op.kind is OpKind.COMPUTE]
+            assert steps == list(range(len(plans[rank].steps)))
+            for position, op in enumerate(program):
+                if op.kind is OpKind.POST:  # waited for before anything else is issued
+                    assert program[position + 1] == Op(OpKind.WAIT, index=position)
+
+
+def test_each_channel_is_posted_in_send_order_on_both_sides():
+    plans = _plans("v-zb", 4, 8)
+    programs = exchange_programs(plans)
+    for rank, program in enumerate(programs):
+        seen: dict[tuple[int, int], list] = {}
+        for op in program:
+            for transfer in op.transfers:
+                seen.setdefault((transfer.src, transfer.dst), []).append(transfer.message)
+        for (src, dst), messages in seen.items():
+            assert messages == list(plans[dst].recv_order[src]), (rank, src, dst)
+
+
+def test_a_send_and_a_receive_at_one_boundary_share_one_batch():
+    """1F1B's steady state: send the activation and receive the gradient as one NCCL group."""
+    programs = exchange_programs(_plans("1f1b", 3, 6))
+    batches = [op.transfers for op in programs[1] if op.kind is OpKind.POST]
+    both_ways = [b for b in batches if {(t.src, t.dst) for t in b} == {(1, 2), (2, 1)}]
+    assert len(both_ways) >= 3, batches
+
+
+def test_warmup_connects_every_pair_once_in_one_order():
+    d = 5
+    for rank in range(d):
+        comms = [op.comm for op in warmup_program(rank, d) if op.kind is OpKind.POST]
+        assert comms == sorted(comms)
+        assert {(c.lo, c.hi) for c in comms} == {p for p in pipeline_pairs(d) if rank in p}
+
+
+def test_forward_only_programs_are_safe_and_move_only_activations():
+    plans = [forward_only_plan(p) for p in _plans("v-min", 4, 8)]
+    for program in exchange_programs(plans):
+        assert all(t.message.payload.value == "act" for op in program for t in op.transfers)
+
+
+# --- the model catches what it must ------------------------------------------------------------
+
+
+def _legacy_program(plan: DevicePlan, window: int = 2) -> tuple[Op, ...]:
+    """The old runtime/p2p.py: per-direction groups, receives posted ``window`` ahead per peer,
+    each send waited on by a helper thread right away (``Work.wait`` on NCCL makes the stream wait)."""
+    ops: list[Op] = []
+    posted = dict.fromkeys(plan.recv_order, 0)
+    where: dict = {}
+    position = {m: i for order in plan.recv_order.values() for i, m in enumerate(order)}
+
+    def comm(msg):
+        return Comm.of("up" if msg.dst > msg.src else "down", msg.src, msg.dst)
+
+    def post_upto(peer, count):
+        order = plan.recv_order[peer]
+        while posted[peer] < min(count, len(order)):
+            msg = order[posted[peer]]
+            ops.append(Op(OpKind.POST, comm(msg), (Transfer(msg.src, msg.dst, msg),)))
+            where[msg] = len(ops) - 1
+            posted[peer] += 1
+
+    for peer in plan.recv_order:
+        post_upto(peer, window)
+    for index, step in enumerate(plan.steps):
+        for msg in step.recvs:
+            post_upto(msg.src, position[msg] + 1)
+            ops.append(Op(OpKind.WAIT, index=where[msg]))
+            post_upto(msg.src, position[msg] + 1 + window)
+        ops.append(Op(OpKind.COMPUTE, index=index))
+        for msg in step.sends:
+            ops.append(Op(OpKind.POST, comm(msg), (Transfer(msg.src, msg.dst, msg),)))
+            ops.append(Op(OpKind.WAIT, index=len(ops) - 1))
+    return tuple(ops)
+
+
+def _legacy_warmup(rank: int, d: int) -> tuple[Op, ...]:
+    ops: list[Op] = []
+    for group in ("down", "up"):
+        for lo, hi in pipeline_pairs(d):
+            if rank in (lo, hi):
+                ops.append(Op(OpKind.POST, Comm(group, lo, hi), (Transfer(lo, hi, None), Transfer(hi, lo, None))))
+                ops.append(Op(OpKind.WAIT, index=len(ops) - 1))
+    return tuple(ops)
+
+
+@QUEUE_SETTINGS
+@pytest.mark.parametrize("name", [n for n in schedule_names() if n != "v-auto"])
+def test_old_policy_hangs_at_the_first_exchange(name, single_queue):
+    """Defect 1: rank 0 first creates the 'down' communicator of (0, 1), rank 1 the 'up' one."""
+    for d in (2, 4):
+        plans = _plans(name, d, 2 * d)
+        with pytest.raises(NcclDeadlock, match=r"rank 0: host creating Comm\(group='down', lo=0, hi=1\)"):
+            run_nccl_model([[_legacy_program(plan)] for plan in plans], single_queue)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "v-half", "v-zb"])
+def test_old_receive_window_hangs_on_one_queue_even_after_warmup(name):
+    """Defect 2: a receive posted ahead blocks the compute its peer waits for, but only on one queue."""
+    d = 4
+    plans = _plans(name, d, 2 * d)
+    programs = [[_legacy_warmup(r, d), _legacy_program(plan)] for r, plan in enumerate(plans)]
+    with pytest.raises(NcclDeadlock):
+        run_nccl_model(programs, single_queue=True)
+    run_nccl_model(programs, single_queue=False)  # the same operations on separate streams finish
+
+
+def test_swapped_receive_order_is_a_mismatch():
+    """A receiver that expects an activation where its peer sends a gradient (Megatron's swap)."""
+    plans = list(_plans("v-half", 2, 4))
+    order = list(plans[1].recv_order[0])
+    i = next(k for k in range(len(order) - 1) if order[k].payload is not order[k + 1].payload)
+    order[i], order[i + 1] = order[i + 1], order[i]
+    plans[1] = DevicePlan(plans[1].steps, {**plans[1].recv_order, 0: tuple(order)})
+    with pytest.raises(NcclMismatch, match="expects"):
+        check_exchange(plans, single_queue=True)
+
+
+def test_a_receive_that_is_never_sent_is_refused():
+    plans = list(_plans("1f1b", 2, 2))
+    plans[1] = DevicePlan(plans[1].steps, {0: plans[1].recv_order[0][:-1]})
+    with pytest.raises(CommError, match="expects 1 messages from 0, which sends 2"):
+        exchange_programs(plans)
+
+
+# --- the model's rules, one at a time ----------------------------------------------------------
+
+A, B = Comm("pair", 0, 1), Comm("other", 0, 1)
+
+
+def _post(comm, *transfers):
+    return Op(OpKind.POST, comm, tuple(Transfer(s, d, m) for s, d, m in transfers))
+
+
+def _wait(index):
+    return Op(OpKind.WAIT, index=index)
+
+
+def _compute(index):
+    return Op(OpKind.COMPUTE, index=index)
+
+
+@QUEUE_SETTINGS
+def test_rule_lazy_creation_in_crossed_order_hangs(single_queue):
+    rank0 = [_post(A, (0, 1, "x")), _wait(0), _post(B, (0, 1, "y")), _wait(2)]
+    rank1 = [_post(B, (0, 1, "y")), _wait(0), _post(A, (0, 1, "x")), _wait(2)]
+    with pytest.raises(NcclDeadlock, match="host creating"):
+        run_nccl_model([[rank0], [rank1]], single_queue)
+    run_nccl_model([[rank0], [rank0]], single_queue)  # the same order on both ranks: fine
+
+
+@QUEUE_SETTINGS
+def test_rule_send_completes_only_when_the_peer_receives(single_queue):
+    """Both ranks send first, in separate operations: each send waits for a receive that is queued behind it."""
+    rank0 = [_post(A, (0, 1, "x")), _wait(0), _post(A, (1, 0, "y")), _wait(2)]
+    rank1 = [_post(A, (1, 0, "y")), _wait(0), _post(A, (0, 1, "x")), _wait(2)]
+    with pytest.raises(NcclDeadlock):
+        run_nccl_model([[rank0], [rank1]], single_queue)
+    batched0 = [_post(A, (0, 1, "x"), (1, 0, "y")), _wait(0)]
+    batched1 = [_post(A, (0, 1, "x"), (1, 0, "y")), _wait(0)]
+    run_nccl_model([[batched0], [batched1]], single_queue)
+
+
+def test_rule_one_queue_a_posted_receive_blocks_later_compute():
+    """Rank 0 pre-posts a receive, then computes what rank 1 waits for: fine on streams, a hang on one queue."""
+    C = Comm("pair", 0, 1)  # noqa: N806
+    D = Comm("more", 0, 1)  # noqa: N806
+    rank0 = [_post(C, (1, 0, "y")), _compute(0), _post(D, (0, 1, "x")), _wait(2), _wait(0)]
+    rank1 = [_post(D, (0, 1, "x")), _wait(0), _compute(0), _post(C, (1, 0, "y")), _wait(3)]
+    warm = [[_post(C, (0, 1, "w")), _wait(0), _post(D, (0, 1, "w")), _wait(2)]] * 2
+    programs = [[warm[0], rank0], [warm[1], rank1]]
+    run_nccl_model(programs, single_queue=False)
+    with pytest.raises(NcclDeadlock):
+        run_nccl_model(programs, single_queue=True)
+
+
+def test_rule_positional_matching_reports_a_swap():
+    rank0 = [_post(A, (0, 1, "act"), (0, 1, "grad")), _wait(0)]
+    rank1 = [_post(A, (0, 1, "grad"), (0, 1, "act")), _wait(0)]
+    with pytest.raises(NcclMismatch, match="rank 1 expects grad and receives act"):
+        run_nccl_model([[rank0], [rank1]], single_queue=True)
