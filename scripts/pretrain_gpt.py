@@ -38,7 +38,7 @@ def _unwrap(model):
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """Megatron's GPTModel, with the local (torch) or Transformer Engine layer spec."""
+    """Megatron's GPTModel, with Megatron's --spec, or the local (torch) or Transformer Engine layer spec."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -50,7 +50,11 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
-    if args.transformer_impl == "local":
+    if args.spec is not None:  # Megatron's --spec; split schedules on TE set it (megatron_vshape.megatron.layer_spec)
+        from megatron.core.transformer.spec_utils import import_module
+
+        layer_spec = import_module(args.spec)
+    elif args.transformer_impl == "local":
         layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
                                               normalization=args.normalization)
     else:

@@ -406,3 +406,76 @@ def threaded_executor_worker(rank: int, world_size: int, spec, reference_path: s
     counts = executors[0]._wgrad.counts() if executors else wgrad.WgradCounts()
     row["counts"] = {"deferred": counts.deferred, "run": counts.run}
     return row
+
+
+# --- Transformer Engine stand-ins (no TE can be installed here) ---------------------------------------
+
+
+def fake_te_classes():
+    """(attention, norm) standing in for megatron's TEDotProductAttention and TENorm.
+
+    Their classes live in ``transformer_engine`` modules, as TE's do, so ``te_wgrad`` sees TE layers;
+    the maths is megatron's local attention and torch's LayerNorm (TENorm also returns a TE module from
+    ``__new__``).
+    """
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class TEDotProductAttention(DotProductAttention):
+        __module__ = "transformer_engine.pytorch.attention.dot_product_attention"
+
+    class LayerNorm(torch.nn.LayerNorm):
+        __module__ = "transformer_engine.pytorch.module.layernorm"
+
+    class TENorm:
+        __module__ = "megatron.core.extensions.transformer_engine"
+
+        def __new__(cls, config, hidden_size, eps=1e-5):
+            return LayerNorm(hidden_size, eps=eps)
+
+    return TEDotProductAttention, TENorm
+
+
+def split_spec_layer_worker(rank: int, world_size: int) -> dict:
+    """One TransformerLayer from the split spec (fake TE attention and norms), B on a new thread via
+    custom_backward inside a capture, then W: returns what was deferred and whether grads are exact."""
+    init_megatron(rank, world_size, 1)
+    import torch
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_vshape.megatron.layer_spec import split_layer_spec
+    from megatron_vshape.runtime import te_wgrad
+    from megatron_vshape.runtime.wgrad import WeightGradStore, enable_wgrad_split
+
+    enable_wgrad_split()
+    attention, norm = fake_te_classes()
+    config = _config(1, False, Case("gpt_layer"))
+    torch.manual_seed(7)
+    layer = build_module(split_layer_spec(attention=attention, norm=norm), config=config, layer_number=1)
+    te_wgrad.check_te_split([layer], "v-zb")  # TE attention and norms are fine: they own no weight matrix
+    (x, dy), = _microbatches(rank, 1, False, False, count=1)
+
+    x_ref = x.clone().requires_grad_()
+    torch.autograd.backward(gpt_layer_forward(layer, x_ref), dy)
+    ref = _grads(layer)
+    _reset(layer)
+
+    store, x_split = WeightGradStore(), x.clone().requires_grad_()
+    out = gpt_layer_forward(layer, x_split)
+    out.data = torch.empty((1,), dtype=out.dtype)  # megatron's deallocate_output_tensor
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
+    with backward_on_new_threads() as engine, store.capture((0, 0)):
+        custom_backward(out, dy)
+    deferred = store.deferred_in((0, 0))
+    linear_grads_after_b = [n for n, g in _grads(layer).items() if g is not None and "linear" in n and "weight" in n]
+    store.run((0, 0))
+    after_w = _grads(layer)
+    return {
+        "te_modules": sorted({type(m).__name__ for m in layer.modules() if te_wgrad.is_te_module(m)}),
+        "threads_used": engine.threads_used,
+        "deferred": deferred,
+        "linear_weight_grads_after_b": linear_grads_after_b,
+        "input_grad_exact": bool(torch.equal(x_split.grad, x_ref.grad)),
+        "differ_after_w": [n for n in ref if not torch.equal(after_w[n], ref[n])],
+    }

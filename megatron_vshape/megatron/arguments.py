@@ -31,8 +31,8 @@ MEGATRON_OWN_SCHEDULES = ("1f1b", "interleaved-1f1b")
 AUTO_SCHEDULE = "v-auto"
 SCHEDULE_CHOICES = tuple(dict.fromkeys([*SCHEDULES, AUTO_SCHEDULE]))
 V_SCHEDULE_NAMES = tuple(n for n, s in SCHEDULES.items() if s.placement is PlacementKind.V) + (AUTO_SCHEDULE,)
-# Transformer Engine gained ``delay_wgrad_compute`` / ``backward_dw()`` (our W hook) in 2.3.
-MIN_TE_VERSION_FOR_SPLIT = (2, 3)
+# Megatron's --spec for split schedules on Transformer Engine (see megatron_vshape.megatron.layer_spec).
+SPLIT_SPEC_ARG = ["megatron_vshape.megatron.layer_spec", "gpt_split_layer_spec"]
 
 # What --cpu always changes: CUDA-only fusions off.
 CPU_OVERRIDES = {
@@ -350,7 +350,8 @@ def check_cpu_features(args, sizes) -> str | None:
 _SPLIT_CONFLICTS = (
     ("--overlap-grad-reduce", "overlap_grad_reduce", "gradient buckets would be reduced before W runs"),
     ("--overlap-param-gather", "overlap_param_gather", "it relies on --overlap-grad-reduce's bucket hooks"),
-    ("--delay-wgrad-compute", "delay_wgrad_compute", "the schedule already defers the weight gradient"),
+    ("--delay-wgrad-compute", "delay_wgrad_compute",
+     "the schedule defers W itself, in megatron's linear layers; TE's deferral is for its MoE overlap"),
     ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", "the schedule already defers W"),
     ("--tp-comm-overlap", "tp_comm_overlap", "TE's userbuffer overlap is not wired to deferred W yet"),
     ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", "it has its own wgrad schedule"),
@@ -381,16 +382,35 @@ def installed_te_version() -> tuple[int, ...] | None:
     return None
 
 
-def check_te_split(args, sizes, te_version: Callable[[], tuple | None] = installed_te_version) -> str | None:
-    name = _schedule(args)
-    if not _splits_backward(name) or effective(args, "transformer_impl") != "transformer_engine":
+def apex_wgrad_kernel_installed() -> bool:
+    """apex's fused weight-gradient kernel, which megatron's linears need for gradient accumulation fusion."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def uses_split_spec(args) -> bool:
+    """Split schedule on Transformer Engine without a --spec of the user's: the split layer spec is used."""
+    return (_splits_backward(_schedule(args)) and effective(args, "transformer_impl") == "transformer_engine"
+            and getattr(args, "spec", None) in (None, SPLIT_SPEC_ARG))
+
+
+def check_te_split(args, sizes, te_version: Callable[[], tuple | None] = installed_te_version,
+                   wgrad_kernel: Callable[[], bool] = apex_wgrad_kernel_installed) -> str | None:
+    """Split schedules on TE get the split layer spec (megatron linears, TE attention and norms)."""
+    if not uses_split_spec(args):
         return None
-    version = te_version()
-    need = ".".join(map(str, MIN_TE_VERSION_FOR_SPLIT))
-    if version is None or version[:2] < MIN_TE_VERSION_FOR_SPLIT:
-        have = "not installed" if version is None else ".".join(map(str, version))
-        return (f"--transformer-impl transformer_engine with --pipeline-schedule {name} needs Transformer Engine "
-                f">= {need} for the B/W split (found {have}); upgrade TE or use --transformer-impl local")
+    name = _schedule(args)
+    for dest, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format")):
+        if getattr(args, dest, None):
+            return (f"{flag} needs Transformer Engine's linear layers, which --pipeline-schedule {name} replaces by "
+                    "megatron's (they split B and W); drop it or use a schedule without B/W split (1f1b, interleaved-1f1b)")
+    if te_version() is None:
+        return (f"--transformer-impl transformer_engine with --pipeline-schedule {name} uses TE's fused attention "
+                "and norms (Transformer Engine not installed); install it or use --transformer-impl local")
+    if getattr(args, "gradient_accumulation_fusion", False) and not wgrad_kernel():
+        return (f"--pipeline-schedule {name} runs megatron's linear layers, whose gradient accumulation fusion needs "
+                "apex's fused_weight_gradient_mlp_cuda (not installed); add --no-gradient-accumulation-fusion or install apex")
     return None
 
 
@@ -431,6 +451,10 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if _schedule(args) in V_SCHEDULE_NAMES:
         # Megatron builds two model chunks per rank (vp_stage 0 and 1); install() gives them V layers.
         args.num_virtual_stages_per_pipeline_rank = 2
+    if uses_split_spec(args):
+        # TE's linears would keep W in B: megatron's linears with TE attention and norms instead
+        # (megatron_vshape.megatron.layer_spec), through Megatron's own --spec.
+        args.spec = list(SPLIT_SPEC_ARG)
     for dest in ("schedule_invariant_dropout", "schedule_invariant_init"):
         if getattr(args, dest, None) is None:
             setattr(args, dest, _schedule(args) is not None)

@@ -126,14 +126,35 @@ def test_bad_combination_fails_with_one_line_naming_flag(case):
     assert ";" in message, "the line must say how to fix it"
 
 
-def test_split_schedule_with_old_or_missing_te_is_rejected_and_new_te_accepted():
-    args = megatron_like(cpu=False, distributed_backend=None, transformer_impl="transformer_engine")
+def test_split_schedule_on_te_needs_te_and_refuses_what_megatron_linears_cannot_do():
+    args = megatron_like(cpu=False, distributed_backend=None, transformer_impl="transformer_engine",
+                         gradient_accumulation_fusion=True)
     sizes = vargs.Sizes.from_args(args)
-    assert "found 2.1.0" in vargs.check_te_split(args, sizes, te_version=lambda: (2, 1, 0))
-    assert "not installed" in vargs.check_te_split(args, sizes, te_version=lambda: None)
-    assert vargs.check_te_split(args, sizes, te_version=lambda: (2, 8, 0)) is None
-    args.pipeline_schedule = "1f1b"  # Megatron's own schedule: no split, any TE is fine
-    assert vargs.check_te_split(args, sizes, te_version=lambda: None) is None
+
+    def check(**kw):
+        return vargs.check_te_split(args, sizes, **{"te_version": lambda: (2, 8, 0), "wgrad_kernel": lambda: True, **kw})
+
+    assert check() is None
+    assert "install it or use --transformer-impl local" in check(te_version=lambda: None)
+    assert "add --no-gradient-accumulation-fusion" in check(wgrad_kernel=lambda: False)
+    args.fp8 = "hybrid"
+    assert check().startswith("--fp8-format needs Transformer Engine's linear layers")
+    args.fp8 = None
+    args.pipeline_schedule = "1f1b"  # Megatron's own schedule: TE's own spec, no check
+    assert check(te_version=lambda: None) is None
+
+
+def test_split_schedule_on_te_gets_the_split_layer_spec_unless_given_one():
+    SPEC_ARG = vargs.SPLIT_SPEC_ARG  # noqa: N806
+
+    args = vargs.resolve_defaults(megatron_like(cpu=False, distributed_backend=None,
+                                                transformer_impl="transformer_engine", spec=None))
+    assert args.spec == SPEC_ARG
+    for overrides in (dict(pipeline_schedule="1f1b"), dict(transformer_impl="local"), dict(spec=["my.mod", "f"])):
+        args = vargs.resolve_defaults(megatron_like(**{"cpu": False, "distributed_backend": None,
+                                                      "transformer_impl": "transformer_engine", "spec": None,
+                                                      **overrides}))
+        assert args.spec != SPEC_ARG, overrides
 
 
 def test_megatron_own_and_unsplit_schedules_allow_overlap_features():

@@ -1,0 +1,118 @@
+"""Transformer Engine and split schedules: the split layer spec, chosen automatically, and refusals.
+
+No TE can be installed here (a partial transformer-engine package breaks ``import megatron.core``), so
+TE's Python API is stood in for in-process only, as far as the wiring needs: megatron's TE module's
+``HAVE_TE`` / ``TEDotProductAttention`` / ``TENorm`` attributes (monkeypatched, restored after each test)
+and layer classes that live in ``transformer_engine`` modules (``_wgrad_support.fake_te_classes``).
+What this proves: the spec the glue picks has megatron's linears (split, exact) with TE's attention and
+norm classes in place, and TE linears are refused. What it cannot prove: TE's own kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import types
+
+import pytest
+import torch
+from _wgrad_support import fake_te_classes, split_spec_layer_worker
+
+from megatron_vshape.megatron import layer_spec
+from megatron_vshape.runtime import te_wgrad
+from megatron_vshape.runtime.wgrad import WgradError
+from megatron_vshape.verify import spawn
+
+
+def _classes_in(node, seen=None) -> set[type]:
+    """Every class a ModuleSpec tree names (through submodule dataclasses and builder partials)."""
+    seen = set() if seen is None else seen
+    if isinstance(node, type):
+        seen.add(node)
+    elif dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _classes_in(getattr(node, f.name), seen)
+    elif isinstance(node, functools.partial):
+        for item in (node.func, *node.args, *node.keywords.values()):
+            _classes_in(item, seen)
+    return seen
+
+
+@pytest.mark.parametrize("options", [{}, {"num_experts": 2, "qk_layernorm": True, "normalization": "RMSNorm"}])
+def test_split_spec_has_megatron_linears_and_te_attention_and_norms(options):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    attention, norm = fake_te_classes()
+    spec = layer_spec.split_layer_spec(attention=attention, norm=norm, **options)
+    classes = _classes_in(spec)
+    assert {attention, norm, ColumnParallelLinear, RowParallelLinear} <= classes
+    assert not classes & {DotProductAttention, WrappedTorchNorm}, "unfused attention or torch norms left"
+    te_like = {c for c in classes if c.__module__.startswith(("transformer_engine", "megatron.core.extensions"))}
+    assert te_like == {attention, norm}, "TE may provide attention and norms only, never a linear layer"
+    sub = spec.submodules
+    assert sub.input_layernorm is norm and sub.self_attention.submodules.core_attention is attention
+
+
+def test_split_spec_takes_megatrons_te_classes_and_refuses_without_te(monkeypatch):
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    attention, norm = fake_te_classes()
+    monkeypatch.setattr(te_ext, "HAVE_TE", True)
+    monkeypatch.setattr(te_ext, "TEDotProductAttention", attention)
+    monkeypatch.setattr(te_ext, "TENorm", norm)
+    spec = layer_spec.split_layer_spec()
+    assert spec.submodules.self_attention.submodules.core_attention is attention
+    monkeypatch.setattr(te_ext, "HAVE_TE", False)
+    with pytest.raises(layer_spec.SplitSpecError, match="use --transformer-impl local"):
+        layer_spec.split_layer_spec()
+
+
+def test_megatrons_spec_import_resolves_the_split_spec_from_the_training_args(monkeypatch):
+    """What ``--spec`` (set by resolve_defaults) does in megatron.training: import_module(args.spec)."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+    attention, norm = fake_te_classes()
+    monkeypatch.setattr(te_ext, "HAVE_TE", True)
+    monkeypatch.setattr(te_ext, "TEDotProductAttention", attention)
+    monkeypatch.setattr(te_ext, "TENorm", norm)
+    args = types.SimpleNamespace(num_experts=None, moe_grouped_gemm=False, qk_layernorm=True,
+                                 multi_latent_attention=False, qk_l2_norm=False, normalization="LayerNorm")
+    training = sys.modules.get("megatron.training") or types.ModuleType("megatron.training")
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setattr(training, "get_args", lambda: args, raising=False)
+    monkeypatch.setattr(layer_spec, "gpt_split_layer_spec", layer_spec._SpecFromTrainingArgs())  # unbuilt
+    spec = import_module(layer_spec.SPEC_ARG)
+    assert isinstance(spec, ModuleSpec)  # Megatron-LM's builders pass it to GPTModel as the layer spec
+    assert spec.submodules.self_attention.submodules.q_layernorm is norm
+    assert spec.submodules.self_attention.submodules.core_attention is attention
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_from_the_split_spec_splits_exactly_with_te_attention_in_place():
+    (row,) = spawn(split_spec_layer_worker, 1, (), timeout=100)
+    assert row["te_modules"] == ["LayerNorm", "TEDotProductAttention"], row
+    assert row["threads_used"] == 1, row
+    assert row["deferred"] == 4, f"qkv, proj, fc1 and fc2 must each defer their weight gradient: {row}"
+    assert row["linear_weight_grads_after_b"] == [], row
+    assert row["input_grad_exact"] and row["differ_after_w"] == [], row
+
+
+class _TELinear(torch.nn.Module):
+    __module__ = "transformer_engine.pytorch.module.layernorm_linear"
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 4))
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(4))
+
+
+def test_te_linears_in_a_split_schedule_are_refused_naming_the_alternative():
+    attention, _ = fake_te_classes()
+    chunk = torch.nn.Sequential(torch.nn.Linear(4, 4), _TELinear())
+    with pytest.raises(WgradError, match=r"v-half splits B and W.*\(_TELinear\).*split layer spec.*--transformer-impl local"):
+        te_wgrad.check_te_split([chunk], "v-half")
+    assert te_wgrad.te_linear_names([torch.nn.Linear(4, 4)]) == []
