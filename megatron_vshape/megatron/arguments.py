@@ -12,6 +12,10 @@ Flags added by :func:`add_arguments`:
 ``--[no-]schedule-invariant-dropout``  reseed dropout per (seed, iteration, microbatch, layer);
 ``--[no-]schedule-invariant-init``     initialise weights per (seed, global layer); both on by default
                                with --pipeline-schedule, so every schedule computes the same losses.
+``--pipeline-costs auto|f=..,b=..,w=..,comm=..``  the costs the schedule is built from: measured during
+                               the first iterations (``auto``, see ``runtime.replan``) or given by hand.
+``--pipeline-costs-iters N``   iterations measured for ``auto`` (after one warm-up; default 3).
+``--pipeline-costs-out PATH``  write the measured costs as JSON (``vshape simulate --costs-from PATH``).
 """
 
 from __future__ import annotations
@@ -101,6 +105,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "with --pipeline-schedule, off otherwise.",
     )
     group.add_argument("--no-schedule-invariant-init", dest="schedule_invariant_init", action="store_false")
+    group.add_argument(
+        "--pipeline-costs", default=None, metavar="auto|f=..,b=..,w=..,comm=..",
+        help="Costs the schedule is built from (F, B, W per V chunk of layers and one p2p message, any "
+        "unit). 'auto': time them during the first iterations (max over ranks), rebuild the schedule "
+        "and log the old and new predicted bubble. Default: F=B=W=1, comm=0. Only for schedules that "
+        "megatron-vshape runs and that split the backward.",
+    )
+    group.add_argument("--pipeline-costs-iters", type=int, default=3, metavar="N",
+                       help="With --pipeline-costs auto: iterations to measure, after one warm-up (default 3).")
+    group.add_argument("--pipeline-costs-out", default=None, metavar="PATH",
+                       help="With --pipeline-costs auto: write the measured costs here as JSON, for "
+                       "`vshape simulate --costs-from PATH`.")
     # Mark Megatron's defaults of the flags --cpu changes as "not given": they still *are* Megatron's
     # values (equal strings / ints), so nothing changes for code that never calls validate(), but
     # --cpu can now pick gloo without overriding an explicit --distributed-backend (which it rejects).
@@ -414,6 +430,37 @@ def check_te_split(args, sizes, te_version: Callable[[], tuple | None] = install
     return None
 
 
+def parse_pipeline_costs(text: str):
+    """``Costs`` from ``--pipeline-costs f=..,b=..`` (``auto`` is handled by the caller)."""
+    from ..schedules import Costs
+
+    try:
+        return Costs.parse(text)
+    except ValueError as err:
+        raise ConfigError(f"--pipeline-costs: {str(err).removeprefix('--costs: ')}") from None
+
+
+def check_pipeline_costs(args, sizes) -> str | None:
+    spec, name = getattr(args, "pipeline_costs", None), _schedule(args)
+    if getattr(args, "pipeline_costs_out", None) and spec != "auto":
+        return "--pipeline-costs-out writes measured costs; add --pipeline-costs auto or drop --pipeline-costs-out"
+    if spec is None:
+        return None
+    if not _splits_backward(name):
+        return (f"--pipeline-costs applies to schedules megatron-vshape builds from costs (zb-*, v-*); "
+                f"{name or 'the default 1f1b'} does not depend on them; drop --pipeline-costs")
+    if spec.strip().lower() == "auto":
+        iters = getattr(args, "pipeline_costs_iters", 3)
+        if iters < 1:
+            return f"--pipeline-costs-iters must be >= 1; got {iters}"
+        return None
+    try:
+        parse_pipeline_costs(spec)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
 def check_auto_available(args, sizes) -> str | None:
     if _schedule(args) == AUTO_SCHEDULE and AUTO_SCHEDULE not in SCHEDULES:
         return (f"--pipeline-schedule {AUTO_SCHEDULE} is not registered in this build (no adaptive generator in "
@@ -424,7 +471,7 @@ def check_auto_available(args, sizes) -> str | None:
 CHECKS: tuple[Check, ...] = (
     check_pipeline_size, check_world_size, check_memory_limit, check_v_layers,
     check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
-    check_cpu_features, check_split_conflicts, check_te_split, check_auto_available,
+    check_cpu_features, check_split_conflicts, check_te_split, check_auto_available, check_pipeline_costs,
 )
 
 

@@ -31,6 +31,7 @@ import functools
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .arguments import (
     AUTO_SCHEDULE,
@@ -39,6 +40,7 @@ from .arguments import (
     ConfigError,
     add_arguments,
     exit_on_error,
+    parse_pipeline_costs,
     validate,
 )
 
@@ -141,8 +143,17 @@ def _build_inner(args, name: str):
         return None  # resolved per call: Megatron's own function for the current groups
     from megatron_vshape.runtime import build_forward_backward_func
 
+    from megatron_vshape.runtime.replan import ReplanPolicy
+    from megatron_vshape.schedules import Costs
+
     limit = args.pipeline_memory_limit if name == AUTO_SCHEDULE else None
-    return build_forward_backward_func(name, memory_limit=limit)
+    spec = getattr(args, "pipeline_costs", None)
+    if spec is not None and spec.strip().lower() == "auto":
+        output = Path(args.pipeline_costs_out) if args.pipeline_costs_out else None
+        policy = ReplanPolicy(iterations=args.pipeline_costs_iters, output=output)
+        return build_forward_backward_func(name, memory_limit=limit, replan=policy)
+    costs = parse_pipeline_costs(spec) if spec is not None else Costs()
+    return build_forward_backward_func(name, costs=costs, memory_limit=limit)
 
 
 def _replace_forward_backward_func(runner: ScheduleRunner) -> None:
@@ -205,11 +216,23 @@ class ScheduleRunner:
             losses = func(**kwargs)
         if self.is_v:
             losses = relay_losses(losses, pp_group)
+        self._report_replan()
         if not forward_only:
             self._log(kwargs["num_microbatches"], meter, pp_group)
         return losses
 
     # --- pieces -------------------------------------------------------------------------------
+
+    def _report_replan(self) -> None:
+        """One line per rank when the executor re-planned from measured costs (--pipeline-costs auto)."""
+        replan = getattr(self._inner, "last_replan", None)
+        if replan is None:
+            return
+        self._inner.last_replan = None
+        self._bubbles.clear()  # predictions from now on use the measured costs
+        import torch
+
+        print(f" [vshape] rank {torch.distributed.get_rank()}: {replan.line(self.name)}", flush=True)
 
     def _invariant_dropout(self, models, kwargs):
         from megatron.core import parallel_state
@@ -314,9 +337,9 @@ def _simulate_bubble(runner: ScheduleRunner, num_devices: int, num_microbatches:
         executor = runner._inner
         if executor is not None and hasattr(executor, "schedule"):
             schedule = executor.schedule(num_devices, num_microbatches)  # cached, shared with the run
-        else:
-            chunks = getattr(runner.args, "virtual_pipeline_model_parallel_size", None) or 2
-            schedule = get_schedule(runner.name, num_devices, num_microbatches, Costs(), chunks=chunks)
+            return simulate(schedule, executor.costs).bubble_rate
+        chunks = getattr(runner.args, "virtual_pipeline_model_parallel_size", None) or 2
+        schedule = get_schedule(runner.name, num_devices, num_microbatches, Costs(), chunks=chunks)
         return simulate(schedule, Costs()).bubble_rate
     except (ScheduleError, ValueError):
         return None

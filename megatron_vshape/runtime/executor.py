@@ -59,6 +59,17 @@ from . import compat
 from .active_stage import running_stage
 from .p2p import PairGroups, PlanExchange
 from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
+from .replan import (
+    CostProfile,
+    PassClock,
+    Replan,
+    ReplanPolicy,
+    agree_on_costs,
+    decide,
+    measure_comm,
+    relative_costs,
+    write_costs,
+)
 
 PlanTransform = Callable[[DevicePlan], DevicePlan]
 
@@ -121,6 +132,7 @@ def build_forward_backward_func(
     memory_limit: float | None = None,
     plan_transform: PlanTransform | None = None,
     record_timeline: bool = False,
+    replan: ReplanPolicy | None = None,
 ) -> ScheduleExecutor:
     """A megatron-style forward-backward function running ``schedule_name``.
 
@@ -128,7 +140,8 @@ def build_forward_backward_func(
     corrupt a plan on purpose and must otherwise stay None. With ``record_timeline`` the callable
     keeps ``last_timeline``: (action, start, end) wall-clock seconds of each pass of the last call
     on this rank (CPU timing; on GPU it measures launch, not kernel time), to compare with the
-    simulator or to measure F/B/W costs.
+    simulator or to measure F/B/W costs. With ``replan`` the executor times its passes during the
+    first training iterations and rebuilds the schedule from the measured costs (:mod:`.replan`).
     """
     if schedule_name not in SCHEDULES:
         raise ScheduleError(
@@ -136,6 +149,7 @@ def build_forward_backward_func(
         )
     executor = ScheduleExecutor(schedule_name, costs, chunks, memory_limit, plan_transform)
     executor.record_timeline = record_timeline
+    executor.cost_profile = CostProfile(replan) if replan is not None else None
     return executor
 
 
@@ -168,6 +182,13 @@ class ScheduleExecutor:
         self.last_wgrad_counts = None  # weight gradients deferred / run by the last call (wgrad.WgradCounts)
         self.record_timeline = False
         self.last_timeline: list[tuple[Action, float, float]] = []
+        self.cost_profile: CostProfile | None = None  # --pipeline-costs auto
+        self.last_replan: Replan | None = None
+
+    @property
+    def costs(self) -> Costs:
+        """The costs the running schedule was built from (measured ones after a re-plan)."""
+        return self._costs
 
     # --- schedule -----------------------------------------------------------------------------
 
@@ -177,13 +198,15 @@ class ScheduleExecutor:
     def _lowered(self, num_devices, num_microbatches):
         key = (num_devices, num_microbatches)
         if key not in self._schedules:
-            extra = {} if self._memory_limit is None else {"memory_limit": self._memory_limit}
-            schedule = get_schedule(
-                self.schedule_name, num_devices, num_microbatches, self._costs, self._chunks, **extra
-            )
-            validate(schedule)
+            schedule = self._build(num_devices, num_microbatches)
             self._schedules[key] = (schedule, lower(schedule))
         return self._schedules[key]
+
+    def _build(self, num_devices: int, num_microbatches: int) -> Schedule:
+        extra = {} if self._memory_limit is None else {"memory_limit": self._memory_limit}
+        schedule = get_schedule(self.schedule_name, num_devices, num_microbatches, self._costs, self._chunks, **extra)
+        validate(schedule)
+        return schedule
 
     def pair_groups(self, pp_group) -> PairGroups:
         """The p2p groups of ``pp_group``, created and warmed up on first use (collective over all ranks)."""
@@ -236,8 +259,43 @@ class ScheduleExecutor:
                          seq_length, micro_batch_size, forward_only, collect_non_loss_data,
                          first_val_step, force_all_reduce, pg_collection)
         losses = run.execute()
+        if not forward_only and self.cost_profile is not None:
+            self._after_training_call(run)
         self.last_wgrad_counts = self._wgrad.counts() - before
         return losses
+
+
+    # --- re-planning from measured costs --------------------------------------------------------
+
+    def pass_clock(self, forward_only: bool) -> PassClock | None:
+        """A clock for this call's passes while the cost profile measures, else None."""
+        profile = self.cost_profile
+        if forward_only or profile is None or not profile.measuring():
+            return None
+        return PassClock(cuda=torch.cuda.is_available())
+
+    def _after_training_call(self, run: _Iteration) -> None:
+        profile = self.cost_profile
+        if run.clock is not None:
+            profile.add(run.clock.seconds())
+        profile.training_calls += 1
+        if not profile.due():
+            return
+        profile.done = True
+        device = _device()
+        comm = measure_comm(run.pp_group, run.tensor_shape, run.dtype, device)
+        seconds = agree_on_costs(profile.local_medians(), comm, device)
+        costs = relative_costs(seconds, self._costs)
+        key = (run.pp_group.size(), run.num_microbatches)
+        current = self._lowered(*key)[0]
+        self._costs = costs  # from now on every schedule is built from the measured costs
+        rebuilt = self._build(*key)
+        self.last_replan, chosen = decide(current, rebuilt, costs, profile.training_calls, seconds)
+        self._schedules = {key: (chosen, lower(chosen))}
+        self._programs.clear()
+        output = profile.policy.output
+        if output is not None and torch.distributed.get_rank() == 0:
+            write_costs(output, self.last_replan, self.schedule_name, *key)
 
 
 class _Iteration:
@@ -320,6 +378,7 @@ class _Iteration:
         last_backward = {} if tied_local else _last_backward_step(self.plan, self.placement)
         first_forward = _first_forward_step(self.plan, self.placement)
         timeline = [] if self.executor.record_timeline else None
+        self.clock = clock = self.executor.pass_clock(self.forward_only)
         with _GradSyncControl(self.config, self.models, enabled=not self.forward_only) as grad_sync:
             for index, step in enumerate(self.plan.steps):
                 for chunk_index in first_forward.get(index, ()):
@@ -327,7 +386,10 @@ class _Iteration:
                 exchange.advance(index)  # the sends and receives the p2p program posts before this step
                 self._receive(step, exchange)
                 start = time.perf_counter()
+                timed = clock.start() if clock is not None and self._tells_cost(step.action) else None
                 self._run(step.action, exchange, step)
+                if timed is not None:
+                    clock.stop(step.action.kind, self.placement.layer_scale, timed)
                 if timeline is not None:
                     timeline.append((step.action, start, time.perf_counter()))
                 for chunk_index in last_backward.get(index, ()):
@@ -345,6 +407,12 @@ class _Iteration:
         if timers is not None:
             timers("forward-backward").stop()
         return [item for mb in sorted(self.data_store) for item in self.data_store[mb]]
+
+    def _tells_cost(self, action: Action) -> bool:
+        """F always; B and W only when the W was deferred (else B ran the whole backward, W nothing)."""
+        if action.kind is Kind.F:
+            return True
+        return Action(Kind.B, action.stage, action.microbatch) in self.deferred
 
     def _sync_params(self, chunk_index: int) -> None:
         """Distributed optimizer with overlapped param gather: finish a chunk's gather before its first F."""

@@ -186,3 +186,21 @@ def test_exit_on_error_prints_one_line_and_exits_2(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--pipeline-schedule: bad; fix it" in err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"pipeline_costs": "f=1,b=x"}, "--pipeline-costs: b='x' is not a number"),
+    ({"pipeline_costs": "auto", "pipeline_schedule": "gpipe"}, "gpipe does not depend on them"),
+    ({"pipeline_costs": "auto", "pipeline_schedule": "1f1b"}, "1f1b does not depend on them"),
+    ({"pipeline_costs": "auto", "pipeline_costs_iters": 0}, "--pipeline-costs-iters must be >= 1"),
+    ({"pipeline_costs_out": "/tmp/c.json"}, "--pipeline-costs-out writes measured costs"),
+])
+def test_pipeline_costs_flags_fail_with_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(megatron_like(**overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_pipeline_costs_by_hand_and_auto_pass():
+    assert validate(megatron_like(pipeline_costs="f=1,b=1.1,w=0.9,comm=0.05")).pipeline_costs
+    assert validate(megatron_like(pipeline_costs="auto", pipeline_costs_iters=2)).pipeline_costs == "auto"

@@ -8,6 +8,7 @@ unmodified pretrain_gpt.py is tested in test_real_client.py. Each launch costs ~
 of it imports), so the four launches are shared by the tests.
 """
 
+import json
 import os
 import re
 import signal
@@ -59,7 +60,8 @@ def runs(mc19_python, tmp_path_factory):
     1f1b: Megatron's own 1F1B through scripts/pretrain_gpt.py, uninterrupted (the reference);
     v-half: the issue's acceptance command (schedule flag moved first), saving a checkpoint at iteration 3;
     v-zb-resumed: the runner with scripts/pretrain_gpt.py, resuming V-Half's checkpoint under V-ZB;
-    1f1b-resumed: resuming V-Half's checkpoint under Megatron's own 1F1B (the looped placement).
+    1f1b-resumed: resuming V-Half's checkpoint under Megatron's own 1F1B (the looped placement);
+    v-zb-replan: V-ZB re-planned from costs measured in iterations 2-3 (--pipeline-costs auto).
     """
     script = str(ROOT / "scripts" / "pretrain_gpt.py")
     ckpt = tmp_path_factory.mktemp("ckpt")
@@ -71,7 +73,10 @@ def runs(mc19_python, tmp_path_factory):
                          ["--pipeline-schedule", "v-zb", *TINY, "--load", str(ckpt), "--ckpt-step", "3"]),
         "1f1b-resumed": ([script], ["--pipeline-schedule", "1f1b", *TINY, "--load", str(ckpt), "--ckpt-step", "3"]),
     }
-    out = {"ckpt": ckpt}
+    costs_file = tmp_path_factory.mktemp("costs") / "costs.json"
+    launches["v-zb-replan"] = ([script], ["--pipeline-schedule", "v-zb", *TINY, "--pipeline-costs", "auto",
+                                          "--pipeline-costs-iters", "2", "--pipeline-costs-out", str(costs_file)])
+    out = {"ckpt": ckpt, "costs_file": costs_file}
     for name, (entry, args) in launches.items():
         result = torchrun(mc19_python, 4, entry, args, timeout=240)
         assert result.returncode == 0, f"{name}:\n{result.stdout[-5000:]}"
@@ -146,3 +151,27 @@ def test_bad_config_fails_on_every_rank_with_one_line_and_no_hang(mc19_python):
         errors = [ln for ln in out.splitlines() if "megatron-vshape error:" in ln]
         assert errors == ["megatron-vshape error: --num-layers 6 must be divisible by 2 x "
                           "--pipeline-model-parallel-size = 4 for v-half (two V chunks per rank); use a multiple of 4"]
+
+
+REPLAN = re.compile(r"\[vshape\] rank (\d+): re-planned v-zb after iteration (\d+) from measured costs (\S+): "
+                    r"predicted bubble ([0-9.]+)% -> ([0-9.]+)%, (switched to the rebuilt|kept the running) "
+                    r"schedule \(schedule (\w+)\)")
+
+
+@pytest.mark.timeout(900)
+def test_replanning_from_measured_costs_is_the_same_on_every_rank_and_keeps_the_losses(runs):
+    """--pipeline-costs auto: one warm-up and two measured iterations, then every rank rebuilds from
+    the same (max over ranks) costs at the same iteration; the maths does not change."""
+    found = REPLAN.findall(runs["v-zb-replan"])
+    assert sorted(int(rank) for rank, *_ in found) == [0, 1, 2, 3], runs["v-zb-replan"][-3000:]
+    decisions = {(iteration, costs, verdict, fingerprint) for _, iteration, costs, _, _, verdict, fingerprint in found}
+    assert len(decisions) == 1, decisions
+    iteration, costs, verdict, fingerprint = decisions.pop()
+    assert iteration == "3" and costs.startswith("f=1,")
+    record = json.loads(runs["costs_file"].read_text())
+    assert record["fingerprint"] == fingerprint and record["after_iteration"] == 3 and record["f"] == 1.0
+    assert min(record["seconds"].values()) >= 0 and record["b"] > 0 and record["w"] > 0
+    own, replanned = losses(runs["1f1b"]), losses(runs["v-zb-replan"])
+    assert sorted(replanned) == [1, 2, 3, 4, 5]
+    for i in range(1, 6):
+        assert abs(replanned[i] - own[i]) <= 1e-5 * abs(own[i]), (i, own[i], replanned[i])
