@@ -94,7 +94,10 @@ def greedy_schedule(
     heaps: list[list] = [[] for _ in range(num_devices)]
     ready_at: dict[Action, float] = {}
     free_at = [0.0] * num_devices
-    events: list[float] = []  # future instants at which a decision may change
+    # Future (instant, device) at which that device's choice may change: it becomes free, or a
+    # pass is offered to it or becomes ready there. Only those devices are looked at then (a
+    # scan of every device at every instant made large pipelines quadratic).
+    events: list[tuple[float, int]] = []
     state = _DeviceState.start(placement)
     programs: list[list[Action]] = [[] for _ in range(num_devices)]
     priority = config.priority
@@ -107,7 +110,7 @@ def greedy_schedule(
             ready = max(ready, end_time[dep] + comm)
         ready_at[action] = ready
         heapq.heappush(heaps[device], (priority(action), action))
-        heapq.heappush(events, ready)
+        heapq.heappush(events, (ready, device))
 
     # Stage-0 forwards have no inputs; offering them one at a time (in microbatch order) keeps
     # the first device's heap small instead of holding every microbatch from the start.
@@ -115,7 +118,7 @@ def greedy_schedule(
     remaining = 3 * num_stages * num_microbatches
     now = 0.0
     while remaining:
-        for device in range(num_devices):
+        for device in _due_devices(now, events):
             if free_at[device] > now + _EPS:
                 continue
             chosen = _pick(heaps[device], ready_at, now, device, state, config)
@@ -124,7 +127,7 @@ def greedy_schedule(
             end = now + costs.of(chosen.kind) * scale
             end_time[chosen] = end
             free_at[device] = end
-            heapq.heappush(events, end)
+            heapq.heappush(events, (end, device))
             programs[device].append(chosen)
             remaining -= 1
             _account(chosen, device, state)
@@ -138,7 +141,7 @@ def greedy_schedule(
                 missing[nxt] = needed
                 if needed == 0:
                     offer(nxt)
-        now = _next_event(now, events)
+        now = events[0][0] if events else None
         if now is None and remaining:
             raise ScheduleError(f"{name}: greedy scheduler stalled (memory caps {list(config.memory_caps)} too low)")
     return Schedule(name, placement, num_microbatches, tuple(tuple(p) for p in programs))
@@ -202,7 +205,9 @@ def _account(action, device, state: _DeviceState) -> None:
         state.memory[device] -= activation
 
 
-def _next_event(now: float, events: list[float]) -> float | None:
-    while events and events[0] <= now + _EPS:
-        heapq.heappop(events)
-    return events[0] if events else None
+def _due_devices(now: float, events: list[tuple[float, int]]) -> list[int]:
+    """Pop every event up to ``now``; the devices they concern, in device order."""
+    due = set()
+    while events and events[0][0] <= now + _EPS:
+        due.add(heapq.heappop(events)[1])
+    return sorted(due)

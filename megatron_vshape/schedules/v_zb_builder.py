@@ -57,6 +57,7 @@ class _Builder:
         self.now = [0.0] * d
         self.mem = [0.0] * d
         self.idle = [0.0] * d
+        self.max_idle = 0.0  # max(self.idle), kept up to date (asked for before every F and B)
         self.pending_w: list[deque] = [deque() for _ in range(d)]
         self.programs: list[list[tuple[int, int]]] = [[] for _ in range(d)]
         self.approved = approved
@@ -86,7 +87,10 @@ class _Builder:
         ready = self.arrival(device, lane, mb)
         if ready is not None and ready > start:
             if self.programs[device]:
-                self.idle[device] += ready - start
+                idle = self.idle[device] + ready - start
+                self.idle[device] = idle
+                if idle > self.max_idle:
+                    self.max_idle = idle
             start = ready
         end = start + self.cost[lane]
         self.end[lane][device][mb] = end
@@ -105,7 +109,7 @@ class _Builder:
         self.put(device, self.pending_w[device].popleft())
 
     def allowance(self, device: int) -> float:
-        worst = max(self.idle)
+        worst = self.max_idle
         if self.approved:
             worst = max(worst, self.max_approved - self.approved[device])
         return worst - self.idle[device]
@@ -224,11 +228,13 @@ def build_v_zb(
     except BuildFailed:
         return None
     for _ in range(max_rounds):
+        if best.max_idle <= 0.0:
+            break  # no idle time at all: nothing to approve
         try:
             again = _run(d, m, costs, variant, list(best.idle), cap, memory)
         except BuildFailed:
             break
-        if max(again.idle) >= max(best.idle) - 1e-9:
+        if again.max_idle >= best.max_idle - 1e-9:
             break
         best = again
     return _to_schedule(best, d, m)
