@@ -178,18 +178,17 @@ def _timed_run(plans, sends, costs: Costs):
     send_position = {msg: n for msgs in sends.values() for n, msg in enumerate(msgs)}
     recv_position = {(src, dst, msg): n for dst, plan in enumerate(plans)
                      for src, order in plan.recv_order.items() for n, msg in enumerate(order)}
+    waits_for = [[_slot_keys(device, step, recv_position) for step in plan.steps] for device, plan in enumerate(plans)]
     slot_time: dict[tuple[int, int, int], float] = {}
     starts: list[list[float]] = [[] for _ in plans]
     free = [0.0] * len(plans)
 
-    def needs(device, step):
-        try:
-            return [(m.src, device, recv_position[(m.src, device, m)]) for m in step.recvs]
-        except KeyError as missing:
-            raise CommError(f"device {device} receives {missing} but its recv_order lacks it") from None
+    def needs(device, index):
+        return waits_for[device][index]
 
-    def run(device, step):
-        start = max([free[device]] + [slot_time[key] for key in needs(device, step)])
+    def run(device, index):
+        step = plans[device].steps[index]
+        start = max([free[device]] + [slot_time[key] for key in waits_for[device][index]])
         starts[device].append(start)
         free[device] = start + costs.of(step.action.kind)
         made = []
@@ -200,11 +199,19 @@ def _timed_run(plans, sends, costs: Costs):
             made.append(key)
         return made
 
-    cursor = drive([plan.steps for plan in plans], needs, run)
+    cursor = drive([range(len(plan.steps)) for plan in plans], needs, run)
     stuck = [f"device {d} at step {c}" for d, (c, plan) in enumerate(zip(cursor, plans)) if c < len(plan.steps)]
     if stuck:
         raise CommError("p2p plan deadlocks (a receive waits for a message never sent before it): " + "; ".join(stuck))
     return starts, [_Slot(t, src, dst, n) for (src, dst, n), t in slot_time.items()]
+
+
+def _slot_keys(device: int, step, recv_position) -> list[tuple[int, int, int]]:
+    """The slots (src, dst, n) carrying ``step``'s receives, by the receiver's labels."""
+    try:
+        return [(m.src, device, recv_position[(m.src, device, m)]) for m in step.recvs]
+    except KeyError as missing:
+        raise CommError(f"device {device} receives {missing} but its recv_order lacks it") from None
 
 
 def _fuse(sequences) -> dict[tuple, int]:
@@ -240,6 +247,7 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends) -> tuple[Op, ...]:
     for event in sequence:
         if event[1] == 1:
             close()
+            current_batch = None
             ops.append(Op(OpKind.COMPUTE, index=event[3]))
             continue
         _, _, src, dst, n = event

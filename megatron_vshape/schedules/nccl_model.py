@@ -51,6 +51,7 @@ class _Kernel:
     op: Op  # what the host issued (for the deadlock report)
     deps: tuple[_Kernel, ...] = ()
     parts: list[_Part] = field(default_factory=list)
+    unmatched: int = 0  # parts still waiting for their peer
     running: bool = False
     done: bool = False
 
@@ -139,6 +140,7 @@ class _Model:
                 mine = self.parts[channel][is_send]
                 mine.append(_Part(kernel, transfer, channel, len(mine), is_send))
                 kernel.parts.append(mine[-1])
+            kernel.unmatched = len(kernel.parts)
             rank.posts[rank.cursor] = kernel
             self.enqueue(r, op.comm, kernel)
 
@@ -159,11 +161,11 @@ class _Model:
             while queue:
                 head = queue[0]
                 if not head.running:
-                    if not all(dep.done for dep in head.deps):
+                    if any(not dep.done for dep in head.deps):
                         break
                     head.running = True
                     self.match(head)
-                if not all(part.matched for part in head.parts):
+                if head.unmatched:
                     break
                 head.done = True
                 queue.popleft()
@@ -185,6 +187,8 @@ class _Model:
                     f"and receives {send.transfer.message}"
                 )
             part.matched = other.matched = True
+            kernel.unmatched -= 1
+            other.kernel.unmatched -= 1
             self.work.append(other.kernel.rank)
 
     def run(self) -> None:
@@ -215,11 +219,15 @@ def run_nccl_model(programs: Sequence[Sequence[Sequence[Op]]], single_queue: boo
     _Model(programs, single_queue).run()
 
 
-def check_exchange(plans: Sequence[DevicePlan], single_queue: bool, costs: Costs = Costs()) -> None:
-    """Model what the runtime issues for ``plans``: the warm-up, a training call, an evaluation call."""
+def check_exchange(plans: Sequence[DevicePlan], single_queue: Sequence[bool] = (True, False),
+                   costs: Costs = Costs()) -> None:
+    """Model what the runtime issues for ``plans`` (the warm-up, a training call, an evaluation call)
+    under each ``single_queue`` setting."""
     train = exchange_programs(plans, costs)
     evaluate = exchange_programs([forward_only_plan(plan) for plan in plans], costs)
-    run_nccl_model([(warmup_program(r, len(plans)), train[r], evaluate[r]) for r in range(len(plans))], single_queue)
+    programs = [(warmup_program(r, len(plans)), train[r], evaluate[r]) for r in range(len(plans))]
+    for setting in single_queue:
+        run_nccl_model(programs, setting)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -244,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for single_queue in (True, False):
                     runs += 1
                     try:
-                        check_exchange(plans, single_queue)
+                        check_exchange(plans, (single_queue,))
                     except CommError as err:
                         failures += 1
                         print(f"FAIL {name} pp={d} m={m} single_queue={single_queue}: {err}")
