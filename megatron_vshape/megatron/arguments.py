@@ -16,12 +16,15 @@ Flags added by :func:`add_arguments`:
                                the first iterations (``auto``, see ``runtime.replan``) or given by hand.
 ``--pipeline-costs-iters N``   iterations measured for ``auto`` (after one warm-up; default 3).
 ``--pipeline-costs-out PATH``  write the measured costs as JSON (``vshape simulate --costs-from PATH``).
+``--pipeline-watchdog SECONDS``  report where a stuck pipeline is, on every rank, and end the job
+                               (default 300 on GPU, 120 with --cpu; 0 turns it off).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -114,6 +117,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument("--pipeline-costs-iters", type=int, default=3, metavar="N",
                        help="With --pipeline-costs auto: iterations to measure, after one warm-up (default 3).")
+    group.add_argument(
+        "--pipeline-watchdog", type=float, default=None, metavar="SECONDS",
+        help="When a schedule run by megatron-vshape makes no progress (a pass, a p2p operation or the "
+        "gradient reduction) for SECONDS, every rank prints one line saying where it is and what it "
+        "waits for, and the job ends with exit code 3. Default 300 (120 with --cpu); 0 turns it off.",
+    )
     group.add_argument("--pipeline-costs-out", default=None, metavar="PATH",
                        help="With --pipeline-costs auto: write the measured costs here as JSON, for "
                        "`vshape simulate --costs-from PATH`.")
@@ -461,6 +470,24 @@ def check_pipeline_costs(args, sizes) -> str | None:
     return None
 
 
+WATCHDOG_DEFAULT_SECONDS = {"gpu": 300.0, "cpu": 120.0}
+
+
+def check_watchdog(args, sizes) -> str | None:
+    seconds = getattr(args, "pipeline_watchdog", None)
+    if seconds is not None and not (math.isfinite(seconds) and seconds >= 0):
+        return f"--pipeline-watchdog must be a number of seconds >= 0 (0 turns it off); got {seconds}"
+    return None
+
+
+def watchdog_seconds(args) -> float:
+    """The watchdog timeout in force (0: off)."""
+    seconds = getattr(args, "pipeline_watchdog", None)
+    if seconds is None:
+        return WATCHDOG_DEFAULT_SECONDS["cpu" if getattr(args, "cpu", False) else "gpu"]
+    return seconds
+
+
 def check_auto_available(args, sizes) -> str | None:
     if _schedule(args) == AUTO_SCHEDULE and AUTO_SCHEDULE not in SCHEDULES:
         return (f"--pipeline-schedule {AUTO_SCHEDULE} is not registered in this build (no adaptive generator in "
@@ -472,6 +499,7 @@ CHECKS: tuple[Check, ...] = (
     check_pipeline_size, check_world_size, check_memory_limit, check_v_layers,
     check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
     check_cpu_features, check_split_conflicts, check_te_split, check_auto_available, check_pipeline_costs,
+    check_watchdog,
 )
 
 

@@ -42,6 +42,7 @@ from .arguments import (
     exit_on_error,
     parse_pipeline_costs,
     validate,
+    watchdog_seconds,
 )
 
 _INSTALLED = "_vshape_installed"
@@ -151,9 +152,16 @@ def _build_inner(args, name: str):
     if spec is not None and spec.strip().lower() == "auto":
         output = Path(args.pipeline_costs_out) if args.pipeline_costs_out else None
         policy = ReplanPolicy(iterations=args.pipeline_costs_iters, output=output)
-        return build_forward_backward_func(name, memory_limit=limit, replan=policy)
+        return build_forward_backward_func(name, memory_limit=limit, replan=policy, watchdog=_watchdog(args))
     costs = parse_pipeline_costs(spec) if spec is not None else Costs()
-    return build_forward_backward_func(name, costs=costs, memory_limit=limit)
+    return build_forward_backward_func(name, costs=costs, memory_limit=limit, watchdog=_watchdog(args))
+
+
+def _watchdog(args):
+    from megatron_vshape.runtime.watchdog import ScheduleWatchdog
+
+    seconds = watchdog_seconds(args)
+    return ScheduleWatchdog(seconds) if seconds > 0 else None
 
 
 def _replace_forward_backward_func(runner: ScheduleRunner) -> None:

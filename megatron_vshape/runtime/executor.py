@@ -70,6 +70,7 @@ from .replan import (
     relative_costs,
     write_costs,
 )
+from .watchdog import Progress, ScheduleWatchdog
 
 PlanTransform = Callable[[DevicePlan], DevicePlan]
 
@@ -133,6 +134,7 @@ def build_forward_backward_func(
     plan_transform: PlanTransform | None = None,
     record_timeline: bool = False,
     replan: ReplanPolicy | None = None,
+    watchdog: ScheduleWatchdog | None = None,
 ) -> ScheduleExecutor:
     """A megatron-style forward-backward function running ``schedule_name``.
 
@@ -142,6 +144,8 @@ def build_forward_backward_func(
     on this rank (CPU timing; on GPU it measures launch, not kernel time), to compare with the
     simulator or to measure F/B/W costs. With ``replan`` the executor times its passes during the
     first training iterations and rebuilds the schedule from the measured costs (:mod:`.replan`).
+    With ``watchdog`` a pipeline that stops moving is reported on every rank and the job ends
+    (:mod:`.watchdog`).
     """
     if schedule_name not in SCHEDULES:
         raise ScheduleError(
@@ -150,6 +154,7 @@ def build_forward_backward_func(
     executor = ScheduleExecutor(schedule_name, costs, chunks, memory_limit, plan_transform)
     executor.record_timeline = record_timeline
     executor.cost_profile = CostProfile(replan) if replan is not None else None
+    executor.watchdog = watchdog
     return executor
 
 
@@ -184,6 +189,7 @@ class ScheduleExecutor:
         self.last_timeline: list[tuple[Action, float, float]] = []
         self.cost_profile: CostProfile | None = None  # --pipeline-costs auto
         self.last_replan: Replan | None = None
+        self.watchdog: ScheduleWatchdog | None = None
 
     @property
     def costs(self) -> Costs:
@@ -371,7 +377,18 @@ class _Iteration:
         timers = self.config.timers
         if timers is not None:
             timers("forward-backward", log_level=1).start(barrier=self.config.barrier_with_L1_time)
-        exchange = PlanExchange(self.program, self.executor.pair_groups(self.pp_group), self._make_buffer)
+        progress = Progress(self.executor.schedule_name, torch.distributed.get_rank(), self.rank)
+        watchdog = self.executor.watchdog
+        with watchdog.watch(progress) if watchdog is not None else contextlib.nullcontext():
+            progress.at("creating and warming up the pipeline's p2p groups")
+            exchange = PlanExchange(self.program, self.executor.pair_groups(self.pp_group), self._make_buffer)
+            progress.pending = exchange.pending
+            result = self._execute(exchange, progress)
+        if timers is not None:
+            timers("forward-backward").stop()
+        return result
+
+    def _execute(self, exchange: PlanExchange, progress: Progress):
         # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
         # their reductions wait until the whole iteration's backward is done.
         tied_local = self.placement.kind is PlacementKind.V and tied_embedding_pair(self.models) is not None
@@ -381,10 +398,12 @@ class _Iteration:
         self.clock = clock = self.executor.pass_clock(self.forward_only)
         with _GradSyncControl(self.config, self.models, enabled=not self.forward_only) as grad_sync:
             for index, step in enumerate(self.plan.steps):
+                progress.at("the p2p exchange before a pass", index, str(step.action))
                 for chunk_index in first_forward.get(index, ()):
                     self._sync_params(chunk_index)
                 exchange.advance(index)  # the sends and receives the p2p program posts before this step
                 self._receive(step, exchange)
+                progress.at("a pass", index, str(step.action))
                 start = time.perf_counter()
                 timed = clock.start() if clock is not None and self._tells_cost(step.action) else None
                 self._run(step.action, exchange, step)
@@ -392,9 +411,16 @@ class _Iteration:
                     clock.stop(step.action.kind, self.placement.layer_scale, timed)
                 if timeline is not None:
                     timeline.append((step.action, start, time.perf_counter()))
+                progress.finished(str(step.action))
                 for chunk_index in last_backward.get(index, ()):
                     grad_sync.start(chunk_index)
+            progress.at("the p2p exchange after the last pass")
             exchange.finish()
+            if self.executor.watchdog is not None and torch.cuda.is_available():
+                # On NCCL the waits above only made the stream wait: let a stuck receive show here,
+                # inside the executor, where the watchdog can name it.
+                progress.at("the GPU finishing this iteration's p2p")
+                torch.cuda.current_stream().synchronize()
             if tied_local and not self.forward_only:
                 sum_tied_embedding_grads(self.models)
             for chunk_index in range(len(self.models)):
@@ -403,9 +429,8 @@ class _Iteration:
             self.executor.last_timeline = timeline
         self._check_drained()
         if not self.forward_only:
+            progress.at("the gradient reduction (finalize_model_grads)")
             self._finalize_grads()
-        if timers is not None:
-            timers("forward-backward").stop()
         return [item for mb in sorted(self.data_store) for item in self.data_store[mb]]
 
     def _tells_cost(self, action: Action) -> bool:

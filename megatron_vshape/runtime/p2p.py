@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_vshape.schedules import Message
+from megatron_vshape.schedules import Message, Payload
 from megatron_vshape.schedules.exchange import Op, OpKind, pipeline_pairs, warmup_program
 
 
@@ -77,6 +77,9 @@ class PlanExchange:
         self._received: dict[Message, torch.Tensor] = {}
         # program position -> (works, [(message, receive buffer)], sent tensors)
         self._posted: dict[int, tuple[list, list, list]] = {}
+        # (program position, works) waited for but maybe not done: on NCCL a wait only makes the
+        # stream wait. Kept (completed ones dropped) so the watchdog can name a stuck operation.
+        self._waited: list[tuple[int, list]] = []
 
     def advance(self, step: int) -> None:
         """Issue every operation that comes before plan step ``step``."""
@@ -118,6 +121,8 @@ class PlanExchange:
         position, self._next = self._next, self._next + 1
         if op.kind is OpKind.WAIT:
             works, buffers, _sent = self._posted.pop(op.index)  # the sent tensors may go now
+            self._waited = [(pos, ws) for pos, ws in self._waited if not _all_completed(ws)]
+            self._waited.append((op.index, works))
             for work in works:
                 work.wait()
             for msg, buffer in buffers:
@@ -137,6 +142,37 @@ class PlanExchange:
                 ops.append(dist.P2POp(dist.irecv, buffer, ranks[transfer.src], group))
                 buffers.append((transfer.message, buffer))
         self._posted[position] = (list(dist.batch_isend_irecv(ops)), buffers, sent)
+
+
+    def pending(self) -> str | None:
+        """The oldest posted operation that has not completed, in words (for the watchdog's thread)."""
+        try:
+            candidates = sorted([*self._waited, *((pos, entry[0]) for pos, entry in list(self._posted.items()))],
+                                key=lambda item: item[0])
+            for position, works in candidates:
+                if not _all_completed(works):
+                    return _describe(self._program[position], self._groups.rank)
+        except RuntimeError:  # the compute thread changed the bookkeeping meanwhile: say so, not crash
+            return "(p2p state changing, not read)"
+        return None
+
+
+def _all_completed(works) -> bool:
+    return all(work.is_completed() for work in works)
+
+
+def _describe(op: Op, me: int) -> str:
+    parts = []
+    for transfer in op.transfers:
+        msg = transfer.message
+        what = "warm-up token" if msg is None else (
+            f"{'activation' if msg.payload is Payload.ACTIVATION else 'gradient'} of microbatch "
+            f"{msg.microbatch} (stage {msg.src_stage}->{msg.dst_stage})")
+        if transfer.src == me:
+            parts.append(f"send of {what} to pipeline rank {transfer.dst}")
+        else:
+            parts.append(f"receive of {what} from pipeline rank {transfer.src}")
+    return " + ".join(parts)
 
 
 def _device() -> torch.device:

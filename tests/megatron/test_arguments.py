@@ -189,7 +189,9 @@ def test_exit_on_error_prints_one_line_and_exits_2(capsys):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"pipeline_costs": "f=1,b=x"}, "--pipeline-costs: b='x' is not a number"),
+    ({"pipeline_costs": "f=1,b=x"}, "--pipeline-costs: b.*'x' is not a number"),
+    ({"pipeline_watchdog": -1.0}, "--pipeline-watchdog must be a number of seconds >= 0"),
+    ({"pipeline_watchdog": float("nan")}, "--pipeline-watchdog must be a number of seconds >= 0"),
     ({"pipeline_costs": "auto", "pipeline_schedule": "gpipe"}, "gpipe does not depend on them"),
     ({"pipeline_costs": "auto", "pipeline_schedule": "1f1b"}, "1f1b does not depend on them"),
     ({"pipeline_costs": "auto", "pipeline_costs_iters": 0}, "--pipeline-costs-iters must be >= 1"),
@@ -204,3 +206,9 @@ def test_pipeline_costs_flags_fail_with_one_line(overrides, message):
 def test_pipeline_costs_by_hand_and_auto_pass():
     assert validate(megatron_like(pipeline_costs="f=1,b=1.1,w=0.9,comm=0.05")).pipeline_costs
     assert validate(megatron_like(pipeline_costs="auto", pipeline_costs_iters=2)).pipeline_costs == "auto"
+
+
+def test_watchdog_defaults_by_device_and_turns_off_with_zero():
+    assert vargs.watchdog_seconds(validate(megatron_like())) == 120.0  # --cpu
+    assert vargs.watchdog_seconds(megatron_like(cpu=False)) == 300.0
+    assert vargs.watchdog_seconds(validate(megatron_like(pipeline_watchdog=0.0))) == 0.0
