@@ -119,29 +119,31 @@ def warmup_program(rank: int, num_devices: int) -> tuple[Op, ...]:
     return tuple(ops)
 
 
-class _Slot(NamedTuple):
+class _Event(NamedTuple):
+    """One entry of the global order G. Sorting by the fields puts a slot before a pass that starts
+    at the same instant, and the slots of one channel in their order."""
+
     time: float
-    src: int
-    dst: int
-    position: int  # n-th message of the channel src -> dst
+    is_pass: bool  # False: slot ``n`` of the channel a -> b; True: pass ``b`` (plan step) of device ``a``
+    a: int
+    b: int
+    n: int = 0
 
 
 def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs()) -> tuple[tuple[Op, ...], ...]:
     """The per-iteration program of every rank (see the module docstring)."""
     sends = _send_orders(plans)
     _check_channels(plans, sends)
-    starts, slots = _timed_run(plans, sends, costs)
-    events: list[tuple] = [(s.time, 0, s.src, s.dst, s.position) for s in slots]
-    events += [(start, 1, device, index, 0) for device, device_starts in enumerate(starts)
+    starts, slot_times = _timed_run(plans, sends, costs)
+    events = [_Event(time, False, src, dst, n) for (src, dst, n), time in slot_times.items()]
+    events += [_Event(start, True, device, index) for device, device_starts in enumerate(starts)
                for index, start in enumerate(device_starts)]
     events.sort()
-    sequences: list[list[tuple]] = [[] for _ in plans]
+    sequences: list[list[_Event]] = [[] for _ in plans]  # each rank's subsequence of G
     for event in events:
-        if event[1] == 0:
-            sequences[event[2]].append(event)
-            sequences[event[3]].append(event)
-        else:
-            sequences[event[2]].append(event)
+        sequences[event.a].append(event)
+        if not event.is_pass:
+            sequences[event.b].append(event)
     batches = _fuse(sequences)
     return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends) for rank in range(len(plans)))
 
@@ -203,7 +205,7 @@ def _timed_run(plans, sends, costs: Costs):
     stuck = [f"device {d} at step {c}" for d, (c, plan) in enumerate(zip(cursor, plans)) if c < len(plan.steps)]
     if stuck:
         raise CommError("p2p plan deadlocks (a receive waits for a message never sent before it): " + "; ".join(stuck))
-    return starts, [_Slot(t, src, dst, n) for (src, dst, n), t in slot_time.items()]
+    return starts, slot_time
 
 
 def _slot_keys(device: int, step, recv_position) -> list[tuple[int, int, int]]:
@@ -214,20 +216,17 @@ def _slot_keys(device: int, step, recv_position) -> list[tuple[int, int, int]]:
         raise CommError(f"device {device} receives {missing} but its recv_order lacks it") from None
 
 
-def _fuse(sequences) -> dict[tuple, int]:
-    """Slot event -> batch id; consecutive slots of one pair adjacent on both of its ranks share a batch."""
-    previous: dict[tuple, list[tuple | None]] = defaultdict(list)  # the event before, on each of its ranks
+def _fuse(sequences) -> dict[_Event, int]:
+    """Slot -> batch id: a slot joins the batch of the slot right before it on *both* of its ranks."""
+    previous: dict[_Event, list[_Event | None]] = defaultdict(list)  # the event before, on each of its ranks
     for sequence in sequences:
         for i, event in enumerate(sequence):
-            if event[1] == 0:
+            if not event.is_pass:
                 previous[event].append(sequence[i - 1] if i else None)
-    batches: dict[tuple, int] = {}
-    for event in sorted(previous):  # G order
-        before = previous[event]
-        pair = {event[2], event[3]}
-        prior = before[0]
-        joinable = (prior is not None and all(b == prior for b in before) and prior[1] == 0
-                    and {prior[2], prior[3]} == pair)
+    batches: dict[_Event, int] = {}
+    for event in sorted(previous):  # G order: the batch of the slot before is known
+        prior, other = previous[event]
+        joinable = prior is not None and prior == other  # then a slot of the same two ranks
         batches[event] = batches[prior] if joinable else len(batches)
     return batches
 
@@ -245,12 +244,12 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends) -> tuple[Op, ...]:
             current.clear()
 
     for event in sequence:
-        if event[1] == 1:
+        if event.is_pass:
             close()
             current_batch = None
-            ops.append(Op(OpKind.COMPUTE, index=event[3]))
+            ops.append(Op(OpKind.COMPUTE, index=event.b))
             continue
-        _, _, src, dst, n = event
+        src, dst, n = event.a, event.b, event.n
         if batches[event] != current_batch:
             close()
             current_batch = batches[event]
