@@ -1,0 +1,307 @@
+"""Reordering a repeated building block in *slot* time, before any real cost is known.
+
+A building block gives every F and B pass an integer start slot (one slot per pass of one V
+chunk). Repeating it leaves empty slots in the warm-up and the cool-down, where a device waits for
+its input. This pass moves passes of the warm-up and the cool-down into earlier empty slots:
+
+1. W passes go *lazily* into the free slots: each device keeps a FIFO of finished B passes and
+   runs the oldest pending W in every slot that no F or B occupies.
+2. Passes are visited in slot order (then device, then kind). A pass of the warm-up (before the
+   first microbatch's last B on device 0) or of the cool-down (after the last microbatch's first
+   F) moves to the earliest free slot after its inputs where the device's peak stays within the
+   **largest peak over all devices** (not only the device's own: a device with a low peak may
+   spend its spare memory to start earlier). The steady state is left as it is.
+3. The W passes are taken out and put back lazily into the new free slots, after a second
+   cool-down pass in which W is implicit (it runs whenever a slot is idle).
+
+Costs enter only afterwards: the order of each device (by slot) is what the simulator squeezes.
+Peaks are counted in slot order, which is also program order, so the simulated peak is the same.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .actions import Action, Kind
+from .schedule import Schedule
+
+if TYPE_CHECKING:  # blocks imports this module
+    from .blocks import BuildingBlock
+
+# Visiting order among passes of one slot on one device never matters (one pass per slot); across
+# devices it decides which move sees which, so it is fixed: F chunk 0, F chunk 1, B chunk 1, B chunk 0, W.
+_F_UP, _F_DOWN, _B_DOWN, _B_UP, _W = range(5)
+
+
+@dataclass
+class _Plan:
+    """Slot of every pass, and per device which pass holds each slot."""
+
+    num_stages: int
+    device_of: tuple[int, ...]
+    first_stage: tuple[int, ...]  # per device, its chunk-0 stage
+    slot: dict[Action, int]
+    at: list[list[Action | None]]
+
+    def rank(self, action: Action) -> int:
+        device = self.device_of[action.stage]
+        up = action.stage == self.first_stage[device]
+        if action.kind is Kind.F:
+            return _F_UP if up else _F_DOWN
+        if action.kind is Kind.B:
+            return _B_UP if up else _B_DOWN
+        return _W
+
+    def move(self, action: Action, new_slot: int) -> None:
+        device = self.device_of[action.stage]
+        old = self.slot[action]
+        self.at[device][old] = None
+        self.at[device][new_slot] = action
+        self.slot[action] = new_slot
+
+    def visit_order(self, actions) -> list[Action]:
+        return sorted(actions, key=lambda a: (self.slot[a], self.device_of[a.stage], self.rank(a), a.microbatch))
+
+
+def slot_schedule(block: BuildingBlock, num_microbatches: int, name: str) -> Schedule:
+    """Repeat ``block``, reorder its warm-up and cool-down in slot time, and return the programs."""
+    plan = _repeat(block, num_microbatches)
+    for device in range(block.placement.num_devices):
+        _put_w_lazily(plan, device)
+    warmup, cooldown = _phases(plan, num_microbatches)
+    budget = max(_explicit_peak(plan, d) for d in range(len(plan.at)))
+    _reorder_explicit(plan, warmup + cooldown, budget)
+    for device in range(block.placement.num_devices):
+        _remove_w(plan, device)
+    _, cooldown = _phases(plan, num_microbatches)
+    budget = max(_lazy_peak(plan, d) for d in range(len(plan.at)))
+    _reorder_lazy(plan, [a for a in cooldown if a.kind is not Kind.W], budget)
+    for device in range(block.placement.num_devices):
+        _put_w_lazily(plan, device)
+    programs = tuple(tuple(a for a in row if a is not None) for row in plan.at)
+    return Schedule(name, block.placement, num_microbatches, programs)
+
+
+def _repeat(block: BuildingBlock, num_microbatches: int) -> _Plan:
+    placement = block.placement
+    interval = block.interval
+    slot: dict[Action, int] = {}
+    length = max(block.offsets.values()) + interval * num_microbatches + 1
+    # Room for every W after the last F/B of a device: at most 2m of them.
+    length += 2 * num_microbatches * placement.chunks_per_device
+    at: list[list[Action | None]] = [[None] * length for _ in range(placement.num_devices)]
+    for device, stages in enumerate(placement.stages_per_device):
+        row = at[device]
+        for stage in stages:
+            for kind in (Kind.F, Kind.B):
+                base = block.offsets[(kind, stage)]
+                for mb in range(num_microbatches):
+                    action = Action(kind, stage, mb)
+                    s = base + mb * interval
+                    slot[action] = s
+                    row[s] = action
+    device_of = tuple(placement.device_of(s) for s in range(placement.num_stages))
+    first = tuple(min(stages) for stages in placement.stages_per_device)
+    return _Plan(placement.num_stages, device_of, first, slot, at)
+
+
+def _put_w_lazily(plan: _Plan, device: int) -> None:
+    """Every idle slot runs the oldest pending W of the device (FIFO over its B passes)."""
+    row = plan.at[device]
+    pending: deque[Action] = deque()
+    for s, action in enumerate(row):
+        if action is None:
+            if pending:
+                w = pending.popleft()
+                row[s] = w
+                plan.slot[w] = s
+        elif action.kind is Kind.B:
+            pending.append(Action(Kind.W, action.stage, action.microbatch))
+    if pending:  # cannot happen: _repeat leaves room for every W
+        raise AssertionError("no room left for W")
+
+
+def _remove_w(plan: _Plan, device: int) -> None:
+    row = plan.at[device]
+    for s, action in enumerate(row):
+        if action is not None and action.kind is Kind.W:
+            row[s] = None
+            del plan.slot[action]
+
+
+def _phases(plan: _Plan, num_microbatches: int) -> tuple[list[Action], list[Action]]:
+    """Passes of the warm-up and of the cool-down, in visiting order.
+
+    The warm-up ends where device 0 finishes the first microbatch (its chunk-0 B), the cool-down
+    starts after device 0 starts the last one (its chunk-0 F); in between the block repeats as is.
+    With few microbatches the last start comes before the first finish: then there is no
+    cool-down (everything after the warm-up stays).
+    """
+    warm_end = plan.slot[Action(Kind.B, 0, 0)]
+    cool_start = plan.slot[Action(Kind.F, 0, num_microbatches - 1)]
+    warmup, cooldown = [], []
+    for device, row in enumerate(plan.at):
+        for s in range(min(warm_end, len(row))):
+            if row[s] is not None:
+                warmup.append((s, device, plan.rank(row[s]), row[s].microbatch, row[s]))
+        if cool_start > warm_end:
+            first = cool_start if device > 0 else cool_start + 1
+            for s in range(first, len(row)):
+                if row[s] is not None:
+                    cooldown.append((s, device, plan.rank(row[s]), row[s].microbatch, row[s]))
+    warmup.sort()
+    cooldown.sort()
+    return [item[-1] for item in warmup], [item[-1] for item in cooldown]
+
+
+def _earliest(plan: _Plan, action: Action) -> int:
+    """First slot after the passes ``action`` depends on, and after its predecessor of the same
+    kind and stage (passes of one kind and stage keep their microbatch order)."""
+    kind, stage, mb = action
+    slot = plan.slot
+    deps = []
+    if kind is Kind.F:
+        if stage > 0:
+            deps.append(Action(Kind.F, stage - 1, mb))
+    elif kind is Kind.B:
+        deps.append(Action(Kind.F, stage, mb))
+        if stage < plan.num_stages - 1:
+            deps.append(Action(Kind.B, stage + 1, mb))
+    else:
+        deps.append(Action(Kind.B, stage, mb))
+    if mb > 0:
+        deps.append(Action(kind, stage, mb - 1))
+    return 1 + max((slot[d] for d in deps), default=-1)
+
+
+def _explicit_levels(plan: _Plan, device: int) -> list[int]:
+    """Memory after each slot, in chunk activations: F adds one, W frees one."""
+    levels, level = [], 0
+    for action in plan.at[device]:
+        if action is not None:
+            if action.kind is Kind.F:
+                level += 1
+            elif action.kind is Kind.W:
+                level -= 1
+        levels.append(level)
+    return levels
+
+
+def _explicit_peak(plan: _Plan, device: int) -> int:
+    return max(_explicit_levels(plan, device))
+
+
+def _reorder_explicit(plan: _Plan, visit: list[Action], budget: int) -> None:
+    """Move each visited pass to the earliest free slot after its inputs that keeps the device's
+    peak within ``budget``. W is explicit: an F moved from t to s adds one to the levels of
+    [s, t); a B or W never raises them."""
+    levels = [_explicit_levels(plan, d) for d in range(len(plan.at))]
+    for action in visit:
+        device = plan.device_of[action.stage]
+        row, level = plan.at[device], levels[device]
+        current = plan.slot[action]
+        start = _earliest(plan, action)
+        if start >= current:
+            continue
+        if action.kind is Kind.F:
+            # The levels an earlier F would raise must stay below the budget.
+            for s in range(current - 1, start - 1, -1):
+                if level[s] + 1 > budget:
+                    start = s + 1
+                    break
+        target = next((s for s in range(start, current) if row[s] is None), None)
+        if target is None:
+            continue
+        plan.move(action, target)
+        step = 1 if action.kind is Kind.F else -1 if action.kind is Kind.W else 0
+        if step:
+            for s in range(target, current):
+                level[s] += step
+
+
+class _LazyMemory:
+    """Memory of one device when W is implicit (an idle slot runs the oldest pending W).
+
+    Moving a pass from slot t into the idle slot s < t leaves the levels before s as they were,
+    never raises a level from t on (the idle slot moves later, so Ws run no later), and raises a
+    level in [s, t) by at most 2 for an F (the F itself, and a W that lost slot s) or 1 for a B.
+    ``upper`` keeps bounds that follow from this; only when a bound could break the budget is
+    the device replayed exactly, from the first slot that may have changed.
+    """
+
+    def __init__(self, row: list[Action | None], budget: int) -> None:
+        self.row = row
+        self.budget = budget
+        self.level: list[int] = [0] * len(row)
+        self.pending: list[int] = [0] * len(row)
+        self.exact_below = 0  # level/pending are exact for the slots below this one
+        self._replay(0)
+        self.upper = list(self.level)
+
+    def peak(self) -> int:
+        return max(self.level, default=0)
+
+    def _replay(self, start: int) -> int:
+        """Recompute level/pending from ``start`` on; return the highest level from there."""
+        row, level_out, pending_out = self.row, self.level, self.pending
+        level = level_out[start - 1] if start else 0
+        pending = pending_out[start - 1] if start else 0
+        peak = level
+        for s in range(start, len(row)):
+            action = row[s]
+            if action is None:
+                if pending:
+                    pending -= 1
+                    level -= 1
+            elif action.kind is Kind.F:
+                level += 1
+                if level > peak:
+                    peak = level
+            elif action.kind is Kind.B:
+                pending += 1
+            level_out[s] = level
+            pending_out[s] = pending
+        self.exact_below = len(row)
+        return peak
+
+    def accept(self, action: Action, target: int, current: int) -> bool:
+        """Called with ``action`` already moved from ``current`` to ``target``: keep it there?"""
+        rise = 2 if action.kind is Kind.F else 1
+        upper = self.upper
+        if max(upper[target:current]) + rise <= self.budget:
+            for s in range(target, current):
+                upper[s] += rise
+            self.exact_below = min(self.exact_below, target)
+            return True
+        start = min(self.exact_below, target)
+        if self._replay(start) <= self.budget:
+            upper[start:] = self.level[start:]
+            return True
+        self.exact_below = target  # the replay saw the move; slots below it are still right
+        return False
+
+
+def _lazy_peak(plan: _Plan, device: int) -> int:
+    return _LazyMemory(plan.at[device], 0).peak()
+
+
+def _reorder_lazy(plan: _Plan, visit: list[Action], budget: int) -> None:
+    """As :func:`_reorder_explicit`, with W implicit: try the free slots after the inputs in
+    order and keep the first whose device peak stays within ``budget``."""
+    memories: dict[int, _LazyMemory] = {}
+    for action in visit:
+        device = plan.device_of[action.stage]
+        row = plan.at[device]
+        current = plan.slot[action]
+        for s in range(_earliest(plan, action), current):
+            if row[s] is not None:
+                continue
+            memory = memories.get(device)
+            if memory is None:
+                memory = memories[device] = _LazyMemory(row, budget)
+            plan.move(action, s)
+            if memory.accept(action, s, current):
+                break
+            plan.move(action, current)
