@@ -39,8 +39,11 @@ VARIANTS = tuple(
 
 
 class _Builder:
-    def __init__(self, d, m, costs: Costs, cap_units: float, variant: ZbVariant, memory: MemoryModel):
+    def __init__(self, d, m, costs: Costs, cap_units: float, variant: ZbVariant, memory: MemoryModel,
+                 inflight_limits=None):
         self.d, self.m, self.variant = d, m, variant
+        # Per device: most forwards whose B has not run (ZB-H1 keeps 1F1B's d - i); None: no limit.
+        self.limits = inflight_limits
         self.comm = costs.comm
         self.cost = (2.0 * costs.f, 2.0 * costs.b, 2.0 * costs.w)  # one stage = two V chunks
         release = memory.b_release
@@ -116,7 +119,10 @@ class _Builder:
                 back = self.end[_F][j][0] + b_cost
                 continue
             mem, time = self.mem[j], self.now[j]
-            while self.count[j][_F] + extra[j] < m and mem + self.delta[_F] <= self.cap:
+            while (
+                self.count[j][_F] + extra[j] < m and mem + self.delta[_F] <= self.cap
+                and (self.limits is None or self.count[j][_F] + extra[j] < self.limits[j])
+            ):
                 if self.variant.bubble_before_first_b:
                     if time + f_cost > back + self.comm:
                         break
@@ -137,7 +143,7 @@ class _Builder:
 
     def wants_forward(self, j: int) -> bool:
         c = self.count[j]
-        if c[_F] >= self.m:
+        if c[_F] >= self.m or (self.limits is not None and c[_F] - c[_B] >= self.limits[j]):
             return False
         if not (self.variant.prioritize_b and j + 1 < self.d and c[_F] >= self.count[j + 1][_F] + 2):
             return True
@@ -187,9 +193,11 @@ def build_zb(
     variant: ZbVariant,
     name: str,
     memory: MemoryModel = MemoryModel(),
+    inflight_limits=None,
 ) -> Schedule | None:
-    """One variant's schedule on the looped placement, or None if it cannot fit the cap."""
-    builder = _Builder(num_devices, num_microbatches, costs, cap_units, variant, memory)
+    """One variant's schedule on the looped placement, or None if it cannot fit the cap (or the
+    per-device limits on forwards in flight)."""
+    builder = _Builder(num_devices, num_microbatches, costs, cap_units, variant, memory, inflight_limits)
     try:
         builder.build()
     except BuildFailed:

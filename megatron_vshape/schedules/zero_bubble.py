@@ -176,7 +176,8 @@ V_ZB = GreedyFamily("v-zb", Placement.v_shape, lambda d: [float(d)] * d)
 
 def zb_h1(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
     """ZB-H1: 1F1B's memory and in-flight count, W passes moved into the bubbles."""
-    return best_greedy(ZB_H1, num_devices, num_microbatches, costs)
+    candidates = _constructive_zb("zb-h1", 1.0, costs, limited=True) + greedy_candidates(ZB_H1, costs)
+    return best_of("zb-h1", candidates, num_devices, num_microbatches, costs)
 
 
 def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int) -> Schedule:
@@ -188,9 +189,14 @@ def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int) -> 
     return best_of(family.name, candidates, num_devices, num_microbatches, costs)
 
 
-def _constructive_zb(name: str, factor: float, costs: Costs) -> list[Candidate]:
+def _constructive_zb(name: str, factor: float, costs: Costs, limited: bool = False) -> list[Candidate]:
+    """The constructive builder's variants; ``limited``: with 1F1B's forwards in flight (ZB-H1)."""
+
     def build(variant: zb_builder.ZbVariant) -> Candidate:
-        return lambda d, m: zb_builder.build_zb(d, m, costs, factor * d, variant, name)
+        def candidate(d: int, m: int) -> Schedule | None:
+            limits = _one_f_one_b_limits(d) if limited else None
+            return zb_builder.build_zb(d, m, costs, factor * d, variant, name, inflight_limits=limits)
+        return candidate
 
     return [build(variant) for variant in zb_builder.VARIANTS]
 
