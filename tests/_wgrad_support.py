@@ -479,3 +479,59 @@ def split_spec_layer_worker(rank: int, world_size: int) -> dict:
         "input_grad_exact": bool(torch.equal(x_split.grad, x_ref.grad)),
         "differ_after_w": [n for n in ref if not torch.equal(after_w[n], ref[n])],
     }
+
+
+# --- schedule-invariant dropout under activation recomputation -------------------------------------
+
+
+def recompute_dropout_worker(rank: int, world_size: int) -> dict:
+    """Gradients of a 2-layer GPT with dropout, with and without full activation recomputation.
+
+    The forward runs inside ``InvariantDropout.wrap_forward_step`` and the backward after it, as in
+    every schedule; ``threaded``: Megatron's custom_backward on a new thread, as on a GPU. The recomputed
+    layers must redraw the forward's dropout masks, so the gradients must match. Returns the largest
+    relative gradient difference per backward path.
+    """
+    init_megatron(rank, world_size, 1)
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_vshape.megatron.dropout_seed import InvariantDropout, attach
+
+    def build(recompute: bool):
+        extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.3,
+                                   attention_dropout=0.3, use_cpu_initialization=True, **extra)
+        torch.manual_seed(11)
+        return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
+
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+
+    def grads(model, threaded: bool):
+        model.train()
+        attach([model])
+        step = InvariantDropout(seed=5, iteration=0, num_microbatches=1, dp_rank=0,
+                                tp_rank=0).wrap_forward_step(lambda it, m: m(tokens, positions, None, labels=tokens))
+        loss = step(None, model).sum()
+        torch.rand(100)  # other passes run between this F and its B: the RNG streams move on
+        if threaded:
+            loss = loss.view(1)
+            with backward_on_new_threads():
+                custom_backward(loss, torch.ones_like(loss))
+        else:
+            loss.backward()
+        out = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        return out
+
+    plain, recomputed = build(False), build(True)
+    result = {}
+    for threaded in (False, True):
+        want, got = grads(plain, threaded), grads(recomputed, threaded)
+        result["threaded" if threaded else "main_thread"] = max(
+            ((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
+    return result

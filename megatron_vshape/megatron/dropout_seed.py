@@ -15,9 +15,15 @@ where the global microbatch is ``dp_rank * num_microbatches + k`` for the k-th f
 chunk in this iteration (every schedule runs a chunk's forwards in microbatch order). Tensor-parallel
 ranks keep Megatron's relation: same default-generator seed, tracker seed ``+ 2718 + tp_rank``.
 
-Scope, no global state: the current (iteration, microbatch) lives in a :class:`contextvars.ContextVar`
-set only while :meth:`InvariantDropout.wrap_forward_step`'s wrapper runs a forward step; outside it
-the layer hooks do nothing, so evaluation, other code and other schedules are untouched.
+Scope: the current (iteration, microbatch) is held in one process-wide slot, set only while
+:meth:`InvariantDropout.wrap_forward_step`'s wrapper runs a forward step; outside it the layer hooks do
+nothing, so evaluation, other code and other schedules are untouched. Process-wide, not a ContextVar,
+because activation recomputation re-runs layer forwards *inside the backward*, which on CUDA runs on
+autograd's worker thread (no ContextVar or thread-local of the schedule's thread is visible there) and
+anyway after the forward step's wrapper has returned. So :func:`attach` also wraps megatron's
+``tensor_parallel.checkpoint``: a checkpointed function remembers the position it was first run at and
+holds it again while it is recomputed, so the recomputed layers redraw the forward's exact masks.
+(TE's ``te_checkpoint``, used only with fp8, is not wrapped.)
 
 Initialisation: Megatron initialises each rank's parameters from one stream seeded by
 ``seed + 100 * pipeline rank``, so a layer's initial weights depend on which rank builds it and what
@@ -30,7 +36,6 @@ so every placement builds bit-identical initial weights.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import hashlib
 import inspect
@@ -52,7 +57,29 @@ class _Position:
     tp_rank: int
 
 
-_current: contextvars.ContextVar[_Position | None] = contextvars.ContextVar("vshape_dropout_position", default=None)
+class _PositionSlot:
+    """The position being run, one per process and readable from every thread (see the module docstring).
+
+    Holding nests (a recomputed forward inside a forward step holds the same position again) and
+    restores the previous value when the block ends. The schedules run one pass at a time.
+    """
+
+    def __init__(self) -> None:
+        self._position: _Position | None = None
+
+    def get(self) -> _Position | None:
+        return self._position
+
+    @contextlib.contextmanager
+    def holding(self, position: _Position):
+        previous, self._position = self._position, position
+        try:
+            yield
+        finally:
+            self._position = previous
+
+
+_current = _PositionSlot()
 
 
 def mix_seed(seed: int, iteration: int, microbatch: int, layer: int) -> int:
@@ -108,14 +135,41 @@ def _unwrap(module):
     return module
 
 
+def _carry_position_into_recompute() -> None:
+    """Wrap megatron's ``tensor_parallel.checkpoint`` (idempotent): a recomputation holds its forward's position."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mrandom
+
+    original = mrandom.checkpoint
+    if getattr(original, _HOOKED, False):
+        return
+
+    @functools.wraps(original)
+    def checkpoint(function, distribute_saved_activations, *args):
+        position = _current.get()
+        if position is None:  # not in an invariant forward step: megatron's checkpoint untouched
+            return original(function, distribute_saved_activations, *args)
+
+        def run_at_position(*inputs):  # runs in the forward, and again when recomputed in the backward
+            with _current.holding(position):
+                return function(*inputs)
+
+        return original(run_at_position, distribute_saved_activations, *args)
+
+    setattr(checkpoint, _HOOKED, True)
+    mrandom.checkpoint = tensor_parallel.checkpoint = checkpoint
+
+
 def attach(models) -> int:
-    """Register the reseeding pre-hooks on every transformer layer and embedding (idempotent).
+    """Register the reseeding pre-hooks on every transformer layer and embedding (idempotent), and
+    carry positions into activation recomputation.
 
     Returns the number of modules hooked now.
     """
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    _carry_position_into_recompute()
     hooked = 0
     for model in models:
         for module in _unwrap(model).modules():
@@ -151,11 +205,8 @@ class InvariantDropout:
         @functools.wraps(forward_step_func)  # keeps the signature megatron inspects
         def forward_step(data_iterator, model, *args, **kwargs):
             position = _Position(self.seed, self.iteration, self._next_microbatch(model), self.tp_rank)
-            token = _current.set(position)
-            try:
+            with _current.holding(position):
                 return forward_step_func(data_iterator, model, *args, **kwargs)
-            finally:
-                _current.reset(token)
 
         return forward_step
 

@@ -143,7 +143,6 @@ def _build_inner(args, name: str):
     if name in MEGATRON_OWN_SCHEDULES:
         return None  # resolved per call: Megatron's own function for the current groups
     from megatron_vshape.runtime import build_forward_backward_func
-
     from megatron_vshape.runtime.replan import ReplanPolicy
     from megatron_vshape.schedules import Costs
 
@@ -265,7 +264,10 @@ class ScheduleRunner:
     def _log(self, num_microbatches: int, meter, pp_group) -> None:
         import torch
 
-        peaks = _gather_peaks(meter.peak_bytes if meter is not None else 0, pp_group)
+        counts = getattr(self._inner, "last_wgrad_counts", None)  # None: Megatron's own function
+        mine = [meter.peak_bytes if meter is not None else 0] + ([counts.deferred, counts.run] if counts else [])
+        rows = _gather_ints(mine, pp_group)
+        peaks = [row[0] for row in rows]
         now = time.time()
         elapsed = None if self._clock.last_call is None else now - self._clock.last_call
         self._clock.last_call = now
@@ -274,7 +276,8 @@ class ScheduleRunner:
         bubble = self.predicted_bubble(pp_group.size(), num_microbatches)
         parts = [f"schedule {self.name}",
                  f"predicted bubble {bubble * 100:.1f}%" if bubble is not None else "predicted bubble n/a",
-                 "peak activation MiB per pipeline rank: " + ", ".join(f"{p / 2**20:.2f}" for p in peaks)]
+                 "peak activation MiB per pipeline rank: " + ", ".join(f"{p / 2**20:.2f}" for p in peaks),
+                 wgrad_part([tuple(row[1:]) for row in rows] if counts else None)]
         parts += _throughput(self.args, elapsed)
         print(" [vshape] " + " | ".join(parts), flush=True)
 
@@ -288,14 +291,22 @@ def _meter(models):
         return ActivationMeter(params=[p for m in models for p in m.parameters()])
 
 
-def _gather_peaks(peak: int, pp_group) -> list[int]:
+def wgrad_part(per_rank: list[tuple[int, int]] | None) -> str:
+    """The log's weight-gradient figures: (deferred by B, run by W) per pipeline rank this iteration."""
+    if per_rank is None:
+        return "W not split (Megatron's own schedule)"
+    return "W deferred/run per pipeline rank: " + ", ".join(f"{deferred}/{run}" for deferred, run in per_rank)
+
+
+def _gather_ints(values: list[int], pp_group) -> list[list[int]]:
+    """``values`` of every pipeline rank, in pipeline-rank order (one all_gather)."""
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mine = torch.tensor([peak], dtype=torch.int64, device=device)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     out = [torch.zeros_like(mine) for _ in range(pp_group.size())]
     torch.distributed.all_gather(out, mine, group=pp_group)
-    return [int(t.item()) for t in out]
+    return [[int(v) for v in t.tolist()] for t in out]
 
 
 def relay_losses(losses, pp_group):
