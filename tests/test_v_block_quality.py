@@ -108,3 +108,17 @@ def test_incremental_memory_check_equals_a_full_replay(d, monkeypatch):
                 patch.setattr(slot_reorder, "_reorder_lazy", _naive_lazy_reorder)
                 slow = slot_reorder.slot_schedule(block, m, "x")
             assert fast.programs == slow.programs
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 5, 8, 11])
+def test_long_runs_spliced_from_a_short_run_equal_the_full_reorder(d, monkeypatch):
+    """Long runs insert steady-state periods into a short run; that must give exactly the
+    programs of reordering the long run itself."""
+    for block in (v_half_block(d), v_min_block(d)):
+        short = slot_reorder._short_microbatches(block)
+        for m in (short + 1, short + 7, 3 * short):
+            spliced = slot_reorder.slot_schedule(block, m, "x")
+            with monkeypatch.context() as patch:
+                patch.setattr(slot_reorder, "_short_microbatches", lambda block: 10**9)
+                full = slot_reorder.slot_schedule(block, m, "x")
+            assert spliced.programs == full.programs

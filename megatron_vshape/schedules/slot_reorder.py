@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
+from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
 from .actions import Action, Kind
@@ -30,6 +32,8 @@ from .schedule import Schedule
 if TYPE_CHECKING:  # blocks imports this module
     from .blocks import BuildingBlock
 
+# Action from a (kind, stage, microbatch) tuple without NamedTuple's Python-level __new__.
+_new_action = partial(tuple.__new__, Action)
 # Visiting order among passes of one slot on one device never matters (one pass per slot); across
 # devices it decides which move sees which, so it is fixed: F chunk 0, F chunk 1, B chunk 1, B chunk 0, W.
 _F_UP, _F_DOWN, _B_DOWN, _B_UP, _W = range(5)
@@ -66,13 +70,75 @@ class _Plan:
 
 
 def slot_schedule(block: BuildingBlock, num_microbatches: int, name: str) -> Schedule:
-    """Repeat ``block``, reorder its warm-up and cool-down in slot time, and return the programs."""
+    """Repeat ``block``, reorder its warm-up and cool-down in slot time, and return the programs.
+
+    Long runs are built from a short one: the reorder leaves the steady state untouched, and
+    there every device repeats the same slots every interval, one microbatch later each time.
+    So the run of ``m`` microbatches is the short run with ``m - short`` periods inserted in its
+    steady state (``_splice``); the short run is checked to be periodic where it is cut.
+    """
+    placement = block.placement
+    short = _short_microbatches(block)
+    rows = None
+    if num_microbatches > short:
+        rows = _splice(block, _slot_rows(block, short), num_microbatches - short, short)
+    if rows is None:
+        rows = [[a for a in row if a is not None] for row in _slot_rows(block, num_microbatches)]
+    return Schedule(name, placement, num_microbatches, tuple(map(tuple, rows)))
+
+
+def _short_microbatches(block: BuildingBlock) -> int:
+    """Microbatches of a run whose steady state has two untouched periods past ``_cut``:
+    the warm-up ends within one block span, and a cool-down pass moves back at most one span."""
+    return 2 * _span_periods(block) + 4
+
+
+def _span_periods(block: BuildingBlock) -> int:
+    span = max(block.offsets.values()) - min(block.offsets.values()) + 1
+    return -(-span // block.interval)
+
+
+def _splice(block: BuildingBlock, rows, extra: int, short: int):
+    """Per device: the short run's slots before the cut, ``extra`` copies of the period at the cut
+    (one microbatch later each), then the rest of the short run ``extra`` microbatches later.
+    None if the short run is not periodic around the cut."""
+    interval = block.interval
+    cut = interval * (_span_periods(block) + 2)
+    out = []
+    for row in rows:
+        windows = [row[cut + k * interval: cut + (k + 1) * interval] for k in (-1, 0, 1)]
+        if _shifted(windows[0], 1) != windows[1] or _shifted(windows[1], 1) != windows[2]:
+            return None
+        program = [a for a in row[:cut] if a is not None]
+        program.extend(_repeated([a for a in windows[1] if a is not None], extra))
+        program.extend(_shifted([a for a in row[cut:] if a is not None], extra))
+        out.append(program)
+    return out
+
+
+def _shifted(actions, by: int) -> list:
+    if not by:
+        return list(actions)
+    return [None if a is None else _new_action((a.kind, a.stage, a.microbatch + by)) for a in actions]
+
+
+def _repeated(period: list[Action], times: int) -> list[Action]:
+    """``period`` then the same passes ``1 .. times - 1`` microbatches later (built column-wise
+    in C: hundreds of thousands of actions at d=64)."""
+    columns = [
+        map(_new_action, zip(repeat(a.kind), repeat(a.stage), range(a.microbatch, a.microbatch + times)))
+        for a in period
+    ]
+    return list(chain.from_iterable(zip(*columns)))
+
+
+def _slot_rows(block: BuildingBlock, num_microbatches: int) -> list[list[Action | None]]:
+    """Each device's slots after the two reorders, W placed lazily."""
     plan = _repeat(block, num_microbatches)
     for device in range(block.placement.num_devices):
         _put_w_lazily(plan, device)
     warmup, cooldown = _phases(plan, num_microbatches)
-    budget = max(_explicit_peak(plan, d) for d in range(len(plan.at)))
-    _reorder_explicit(plan, warmup + cooldown, budget)
+    _reorder_explicit(plan, warmup + cooldown)
     for device in range(block.placement.num_devices):
         _remove_w(plan, device)
     _, cooldown = _phases(plan, num_microbatches)
@@ -80,8 +146,7 @@ def slot_schedule(block: BuildingBlock, num_microbatches: int, name: str) -> Sch
     _reorder_lazy(plan, [a for a in cooldown if a.kind is not Kind.W], budget)
     for device in range(block.placement.num_devices):
         _put_w_lazily(plan, device)
-    programs = tuple(tuple(a for a in row if a is not None) for row in plan.at)
-    return Schedule(name, block.placement, num_microbatches, programs)
+    return plan.at
 
 
 def _repeat(block: BuildingBlock, num_microbatches: int) -> _Plan:
@@ -158,22 +223,23 @@ def _phases(plan: _Plan, num_microbatches: int) -> tuple[list[Action], list[Acti
 
 def _earliest(plan: _Plan, action: Action) -> int:
     """First slot after the passes ``action`` depends on, and after its predecessor of the same
-    kind and stage (passes of one kind and stage keep their microbatch order)."""
+    kind and stage (passes of one kind and stage keep their microbatch order).
+
+    Keys are plain tuples: they hash and compare equal to the Action keys, and are cheaper to make.
+    """
     kind, stage, mb = action
     slot = plan.slot
-    deps = []
     if kind is Kind.F:
-        if stage > 0:
-            deps.append(Action(Kind.F, stage - 1, mb))
+        ready = slot[(Kind.F, stage - 1, mb)] if stage > 0 else -1
     elif kind is Kind.B:
-        deps.append(Action(Kind.F, stage, mb))
+        ready = slot[(Kind.F, stage, mb)]
         if stage < plan.num_stages - 1:
-            deps.append(Action(Kind.B, stage + 1, mb))
+            ready = max(ready, slot[(Kind.B, stage + 1, mb)])
     else:
-        deps.append(Action(Kind.B, stage, mb))
+        ready = slot[(Kind.B, stage, mb)]
     if mb > 0:
-        deps.append(Action(kind, stage, mb - 1))
-    return 1 + max((slot[d] for d in deps), default=-1)
+        ready = max(ready, slot[(kind, stage, mb - 1)])
+    return ready + 1
 
 
 def _explicit_levels(plan: _Plan, device: int) -> list[int]:
@@ -189,15 +255,12 @@ def _explicit_levels(plan: _Plan, device: int) -> list[int]:
     return levels
 
 
-def _explicit_peak(plan: _Plan, device: int) -> int:
-    return max(_explicit_levels(plan, device))
-
-
-def _reorder_explicit(plan: _Plan, visit: list[Action], budget: int) -> None:
+def _reorder_explicit(plan: _Plan, visit: list[Action]) -> None:
     """Move each visited pass to the earliest free slot after its inputs that keeps the device's
-    peak within ``budget``. W is explicit: an F moved from t to s adds one to the levels of
-    [s, t); a B or W never raises them."""
+    peak within the largest peak over all devices. W is explicit: an F moved from t to s adds one
+    to the levels of [s, t); a B or W never raises them."""
     levels = [_explicit_levels(plan, d) for d in range(len(plan.at))]
+    budget = max(max(level) for level in levels)
     for action in visit:
         device = plan.device_of[action.stage]
         row, level = plan.at[device], levels[device]
