@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import adaptive, baselines, v_schedules, zero_bubble
-from .schedule import Costs, PlacementKind, Schedule, ScheduleError
+from .schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class ScheduleSpec:
     min_microbatches: Callable[[int], int] = lambda num_devices: 1
     microbatch_rule: str = "m >= 1"  # human-readable form of the size rule, for `vshape list`
     takes_memory_limit: bool = False  # build() accepts memory_limit (a fraction of 1F1B's peak)
+    takes_memory_model: bool = False  # build() accepts memory= (caps the schedule under that MemoryModel)
     splits_backward: bool = True  # False: every W directly follows its B (plain backward)
 
 
@@ -34,17 +35,21 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                      min_microbatches=lambda d: d, splits_backward=False,
                      microbatch_rule="m a multiple of d (Megatron's rule)"),
         ScheduleSpec("zb-h1", PlacementKind.LOOPED, "zero bubble, 1F1B's memory, 1F1B's in-flight count",
-                     lambda d, m, c, v: zero_bubble.zb_h1(d, m, c)),
+                     lambda d, m, c, v, memory=MemoryModel(): zero_bubble.zb_h1(d, m, c, memory),
+                     takes_memory_model=True),
         ScheduleSpec("zb-1p", PlacementKind.LOOPED, "zero bubble, memory capped at 1F1B's peak",
-                     lambda d, m, c, v: zero_bubble.zb_p(d, m, c, 1)),
+                     lambda d, m, c, v, memory=MemoryModel(): zero_bubble.zb_p(d, m, c, 1, memory),
+                     takes_memory_model=True),
         ScheduleSpec("zb-2p", PlacementKind.LOOPED, "zero bubble, memory capped at 2x 1F1B's peak",
-                     lambda d, m, c, v: zero_bubble.zb_p(d, m, c, 2)),
+                     lambda d, m, c, v, memory=MemoryModel(): zero_bubble.zb_p(d, m, c, 2, memory),
+                     takes_memory_model=True),
         ScheduleSpec("v-min", PlacementKind.V, "V placement, about 1/3 of 1F1B's activation memory",
                      lambda d, m, c, v: v_schedules.v_min(d, m, c)),
         ScheduleSpec("v-half", PlacementKind.V, "V placement, about 1/2 of 1F1B's activation memory",
                      lambda d, m, c, v: v_schedules.v_half(d, m, c)),
         ScheduleSpec("v-zb", PlacementKind.V, "V placement, 1F1B's memory, near-zero bubble",
-                     lambda d, m, c, v: zero_bubble.v_zb(d, m, c)),
+                     lambda d, m, c, v, memory=MemoryModel(): zero_bubble.v_zb(d, m, c, memory),
+                     takes_memory_model=True),
         ScheduleSpec("v-auto", PlacementKind.V,
                      "V placement, lowest bubble within --memory-limit X (x 1F1B's peak; default 1)",
                      lambda d, m, c, v, limit=None: adaptive.v_auto(d, m, c, limit),
@@ -64,8 +69,13 @@ def get_schedule(
     costs: Costs = Costs(),
     chunks: int = 2,
     memory_limit: float | None = None,
+    memory: MemoryModel | None = None,
 ) -> Schedule:
     """Build schedule ``name`` for ``num_devices`` pipeline devices and ``num_microbatches``.
+
+    ``memory``: the activation model the schedule's memory cap is kept under (zero-bubble family;
+    e.g. ``MemoryModel.for_gpt``, where B frees part, lets ZB-1P keep more forwards in flight).
+    Other schedules have a fixed order and ignore it.
 
     Raises :class:`ScheduleError` with a one-line fix for unknown names and bad sizes.
     """
@@ -85,4 +95,6 @@ def get_schedule(
         raise ScheduleError(f"--memory-limit only applies to v-auto; {name} has a fixed memory footprint")
     if spec.takes_memory_limit:
         return spec.build(num_devices, num_microbatches, costs, chunks, memory_limit)
+    if spec.takes_memory_model and memory is not None:
+        return spec.build(num_devices, num_microbatches, costs, chunks, memory=memory)
     return spec.build(num_devices, num_microbatches, costs, chunks)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from . import v_zb_builder, zb_builder
 from .actions import Kind
 from .greedy import Admission, GreedyConfig, greedy_schedule
-from .schedule import Costs, Placement, Schedule, ScheduleError
+from .schedule import Costs, MemoryModel, Placement, Schedule, ScheduleError
 from .simulator import simulate
 
 _KIND_RANK_B_FIRST = {Kind.B: 0, Kind.F: 1, Kind.W: 2}
@@ -174,34 +174,40 @@ ZB_2P = GreedyFamily(
 V_ZB = GreedyFamily("v-zb", Placement.v_shape, lambda d: [float(d)] * d)
 
 
-def zb_h1(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
+def zb_h1(num_devices: int, num_microbatches: int, costs: Costs, memory: MemoryModel = MemoryModel()) -> Schedule:
     """ZB-H1: 1F1B's memory and in-flight count, W passes moved into the bubbles."""
-    candidates = _constructive_zb("zb-h1", 1.0, costs, limited=True) + greedy_candidates(ZB_H1, costs)
+    candidates = _constructive_zb("zb-h1", 1.0, costs, memory, limited=True) + greedy_candidates(ZB_H1, costs)
     return best_of("zb-h1", candidates, num_devices, num_microbatches, costs)
 
 
-def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int) -> Schedule:
+def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int,
+         memory: MemoryModel = MemoryModel()) -> Schedule:
     """ZB-1P / ZB-2P: memory capped at 1x / 2x 1F1B's peak. Candidates: the constructive
     builder's variants and the greedy scheduler's (ZB-H1's in-flight limit among them, so
-    ZB-1P is never worse than ZB-H1)."""
+    ZB-1P is never worse than ZB-H1).
+
+    The constructive builder keeps the cap under ``memory`` (with B freeing part, more forwards
+    fit); the greedy variants count with the paper's model, which is never lower, so they fit too.
+    """
     family = ZB_1P if factor == 1 else ZB_2P
-    candidates = _constructive_zb(family.name, float(factor), costs) + greedy_candidates(family, costs)
+    candidates = _constructive_zb(family.name, float(factor), costs, memory) + greedy_candidates(family, costs)
     return best_of(family.name, candidates, num_devices, num_microbatches, costs)
 
 
-def _constructive_zb(name: str, factor: float, costs: Costs, limited: bool = False) -> list[Candidate]:
+def _constructive_zb(name: str, factor: float, costs: Costs, memory: MemoryModel = MemoryModel(),
+                     limited: bool = False) -> list[Candidate]:
     """The constructive builder's variants; ``limited``: with 1F1B's forwards in flight (ZB-H1)."""
 
     def build(variant: zb_builder.ZbVariant) -> Candidate:
         def candidate(d: int, m: int) -> Schedule | None:
             limits = _one_f_one_b_limits(d) if limited else None
-            return zb_builder.build_zb(d, m, costs, factor * d, variant, name, inflight_limits=limits)
+            return zb_builder.build_zb(d, m, costs, factor * d, variant, name, memory, limits)
         return candidate
 
     return [build(variant) for variant in zb_builder.VARIANTS]
 
 
-def v_zb(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
+def v_zb(num_devices: int, num_microbatches: int, costs: Costs, memory: MemoryModel = MemoryModel()) -> Schedule:
     """V-ZB: V placement, memory capped at 1F1B's peak (d units).
 
     Built constructively (see v_zb_builder) in a few variants, the lowest makespan kept; the
@@ -209,7 +215,7 @@ def v_zb(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
     """
 
     def build(variant: v_zb_builder.VzbVariant) -> Candidate:
-        return lambda d, m: v_zb_builder.build_v_zb(d, m, costs, variant)
+        return lambda d, m: v_zb_builder.build_v_zb(d, m, costs, variant, memory=memory)
 
     candidates = [build(variant) for variant in v_zb_builder.VARIANTS]
     try:
