@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -103,10 +104,10 @@ def test_incremental_memory_check_equals_a_full_replay(d, monkeypatch):
     the moves that replaying the whole device for every candidate slot makes."""
     for block in (v_half_block(d), v_min_block(d)):
         for m in (d, 2 * d + 1, 5 * d):
-            fast = slot_reorder.slot_schedule(block, m, "x")
+            fast = slot_reorder.slot_schedule(block, m, "x", math.inf)
             with monkeypatch.context() as patch:
                 patch.setattr(slot_reorder, "_reorder_lazy", _naive_lazy_reorder)
-                slow = slot_reorder.slot_schedule(block, m, "x")
+                slow = slot_reorder.slot_schedule(block, m, "x", math.inf)
             assert fast.programs == slow.programs
 
 
@@ -117,8 +118,8 @@ def test_long_runs_spliced_from_a_short_run_equal_the_full_reorder(d, monkeypatc
     for block in (v_half_block(d), v_min_block(d)):
         short = slot_reorder._short_microbatches(block)
         for m in (short + 1, short + 7, 3 * short):
-            spliced = slot_reorder.slot_schedule(block, m, "x")
+            spliced = slot_reorder.slot_schedule(block, m, "x", math.inf)
             with monkeypatch.context() as patch:
                 patch.setattr(slot_reorder, "_short_microbatches", lambda block: 10**9)
-                full = slot_reorder.slot_schedule(block, m, "x")
+                full = slot_reorder.slot_schedule(block, m, "x", math.inf)
             assert spliced.programs == full.programs

@@ -156,10 +156,13 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
     slot time, W lazily in idle slots, every device up to the largest peak of the repeated
     block) and the real-time idle filling (``fill_idle``: W at the block's slots, each device up
     to its own peak). The lower bubble under ``costs`` wins (then the lower peak). Either way no
-    device exceeds the repeated block's largest peak. Above ``_COMPARE_CELLS`` only the slot
+    device exceeds the block's steady peak (``steady_peak``, W at the block's own slots): the slot
+    reorder is dropped when its lazy W would need more. Above ``_COMPARE_CELLS`` only the slot
     reorder runs (it is the one that wins on long runs: measured d = 2..16, m = d..8d).
     """
-    slotted = slot_schedule(block, num_microbatches, name)
+    slotted = slot_schedule(block, num_microbatches, name, max(block.steady_peak()))
+    if slotted is None:  # lazy W needs more memory than the block's own W slots
+        return _idle_filled(block, num_microbatches, costs, name)
     if block.placement.num_devices * num_microbatches > _COMPARE_CELLS:
         return slotted
     candidates = [slotted, _idle_filled(block, num_microbatches, costs, name)]

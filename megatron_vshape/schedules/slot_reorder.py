@@ -69,8 +69,9 @@ class _Plan:
         return sorted(actions, key=lambda a: (self.slot[a], self.device_of[a.stage], self.rank(a), a.microbatch))
 
 
-def slot_schedule(block: BuildingBlock, num_microbatches: int, name: str) -> Schedule:
-    """Repeat ``block``, reorder its warm-up and cool-down in slot time, and return the programs.
+def slot_schedule(block: BuildingBlock, num_microbatches: int, name: str, max_peak: float) -> Schedule | None:
+    """Repeat ``block``, reorder its warm-up and cool-down in slot time, and return the programs;
+    None if W placed lazily needs more than ``max_peak`` memory units on some device.
 
     Long runs are built from a short one: the reorder leaves the steady state untouched, and
     there every device repeats the same slots every interval, one microbatch later each time.
@@ -79,11 +80,16 @@ def slot_schedule(block: BuildingBlock, num_microbatches: int, name: str) -> Sch
     """
     placement = block.placement
     short = _short_microbatches(block)
+    built = _slot_rows(block, min(short, num_microbatches))
+    if built.peak * placement.layer_scale / 2 > max_peak + 1e-9:
+        return None
     rows = None
     if num_microbatches > short:
-        rows = _splice(block, _slot_rows(block, short), num_microbatches - short, short)
+        rows = _splice(block, built.rows, num_microbatches - short, short)
+    else:
+        rows = [[a for a in row if a is not None] for row in built.rows]
     if rows is None:
-        rows = [[a for a in row if a is not None] for row in _slot_rows(block, num_microbatches)]
+        rows = [[a for a in row if a is not None] for row in _slot_rows(block, num_microbatches).rows]
     return Schedule(name, placement, num_microbatches, tuple(map(tuple, rows)))
 
 
@@ -132,13 +138,19 @@ def _repeated(period: list[Action], times: int) -> list[Action]:
     return list(chain.from_iterable(zip(*columns)))
 
 
-def _slot_rows(block: BuildingBlock, num_microbatches: int) -> list[list[Action | None]]:
+@dataclass(frozen=True)
+class _Built:
+    rows: list[list[Action | None]]
+    peak: int  # bound on every device's peak, in chunk activations (the budgets of both reorders)
+
+
+def _slot_rows(block: BuildingBlock, num_microbatches: int) -> _Built:
     """Each device's slots after the two reorders, W placed lazily."""
     plan = _repeat(block, num_microbatches)
     for device in range(block.placement.num_devices):
         _put_w_lazily(plan, device)
     warmup, cooldown = _phases(plan, num_microbatches)
-    _reorder_explicit(plan, warmup + cooldown)
+    first_budget = _reorder_explicit(plan, warmup + cooldown)
     for device in range(block.placement.num_devices):
         _remove_w(plan, device)
     _, cooldown = _phases(plan, num_microbatches)
@@ -146,7 +158,7 @@ def _slot_rows(block: BuildingBlock, num_microbatches: int) -> list[list[Action 
     _reorder_lazy(plan, [a for a in cooldown if a.kind is not Kind.W], budget)
     for device in range(block.placement.num_devices):
         _put_w_lazily(plan, device)
-    return plan.at
+    return _Built(plan.at, max(first_budget, budget))
 
 
 def _repeat(block: BuildingBlock, num_microbatches: int) -> _Plan:
@@ -255,10 +267,10 @@ def _explicit_levels(plan: _Plan, device: int) -> list[int]:
     return levels
 
 
-def _reorder_explicit(plan: _Plan, visit: list[Action]) -> None:
+def _reorder_explicit(plan: _Plan, visit: list[Action]) -> int:
     """Move each visited pass to the earliest free slot after its inputs that keeps the device's
     peak within the largest peak over all devices. W is explicit: an F moved from t to s adds one
-    to the levels of [s, t); a B or W never raises them."""
+    to the levels of [s, t); a B or W never raises them. Returns that budget."""
     levels = [_explicit_levels(plan, d) for d in range(len(plan.at))]
     budget = max(max(level) for level in levels)
     for action in visit:
@@ -282,6 +294,7 @@ def _reorder_explicit(plan: _Plan, visit: list[Action]) -> None:
         if step:
             for s in range(target, current):
                 level[s] += step
+    return budget
 
 
 class _LazyMemory:
