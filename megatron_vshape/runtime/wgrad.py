@@ -33,7 +33,8 @@ Megatron DDP's per-parameter hook still fires in B, with a ``None`` gradient: ha
 weights) gets two additions instead of one addition of a sum: equal up to rounding only.
 
 Limits: weights computed outside this function keep their gradient in B (legacy GroupedMLP experts,
-embeddings; Transformer Engine layers go through ``te_wgrad``); frozen weights have no W. Megatron
+embeddings; Transformer Engine linears are refused by ``te_wgrad``: split schedules use the split layer
+spec, ``megatron/layer_spec.py``); frozen weights have no W. Megatron
 FSDP and 0.19's GTP weight rematerialisation are refused with a clear error.
 
 Which thread sees the capture: on CUDA, autograd runs ``Function.backward`` on its own per-device
