@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that own their argument parsing (lazily imported: verify needs torch).
 _DELEGATED = {
     "plan": ("megatron_vshape.planner.cli", "cost model + search: predict MFU, bubble and memory of layouts"),
-    "verify": ("megatron_vshape.verify", "run one iteration on CPU ranks and compare with a one-process run"),
+    "verify": ("megatron_vshape.verify", "run one iteration on CPU or GPU ranks (--device cuda) and compare with a one-process run"),
 }
 
 
