@@ -16,17 +16,21 @@ import json
 import sys
 from pathlib import Path
 
-from ..schedules import ScheduleError
+from ..progress import phase
+from ..schedules import ScheduleError, inputs
 from .costs import CostModel, calibrate_efficiency
+from .explain import no_split, why_nothing
 from .hardware import GPUS, get_gpu
 from .model import PRESETS, GPTModel, get_model
 from .predict import Prediction, planner_schedule_names, split_name
-from .search import Grid, ScheduleSearch, search
+from .search import Grid, ScheduleSearch, layouts, search
 
 PAPER_SCHEDULES = ("1f1b", "1f1b-r", "v-min", "v-half", "v-zb")
 # The one published number the cost model is calibrated from (paper, arXiv v1): the 9.6B model's
 # F pass over one V chunk (one layer) at microbatch 4, sequence 1024, on an A100: 12.96 ms.
 PAPER_F_MS = 12.96
+# Above this many (schedule, layout) candidates the search takes seconds to minutes: show progress.
+LARGE_SEARCH = 200
 
 
 class UsageError(Exception):
@@ -85,6 +89,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# (dest, flag, low, high): every size the planner takes, bounded so that no product overflows and
+# no search runs for hours. Real models sit far inside (the paper's largest: 98.5B on 40 GPUs).
+_COUNTS = (
+    ("layers", "--layers", 1, 4096), ("hidden", "--hidden", 1, 1 << 18), ("heads", "--heads", 1, 1 << 12),
+    ("seq", "--seq", 1, 1 << 22), ("vocab", "--vocab", 1, 1 << 22), ("gpus", "--gpus", 2, 1 << 16),
+    ("global_batch", "--global-batch", 1, 1 << 22), ("calibrate_micro_batch", "--calibrate-micro-batch", 1, 1 << 12),
+    ("calibrate_layers", "--calibrate-layers", 1, 4096),
+)
+_FRACTIONS = (("efficiency", "--efficiency"), ("bandwidth_efficiency", "--bandwidth-efficiency"))
+
+
+def check_numbers(args) -> None:
+    """Every number in range and finite, or InputError naming the flag (before any model is built)."""
+    for dest, flag, low, high in _COUNTS:
+        if getattr(args, dest) is not None:
+            inputs.count(flag, getattr(args, dest), low, high)
+    for dest, flag in _FRACTIONS:
+        if getattr(args, dest) is not None:
+            inputs.real(flag, getattr(args, dest), 0.0, 1.0, low_open=True)
+    if args.calibrate_f_ms is not None:
+        inputs.real("--calibrate-f-ms", args.calibrate_f_ms, 1e-6, 1e7)
+    for dest, flag, high in (("tp", "--tp", 1 << 16), ("pp", "--pp", 1 << 16), ("dp", "--dp", 1 << 16),
+                             ("micro_batch", "--micro-batch", 1 << 12)):
+        for value in getattr(args, dest) or ():
+            inputs.count(flag, value, 1, high)
+
+
 def model_from_args(args) -> GPTModel:
     shape = (args.layers, args.hidden, args.heads)
     if args.model and any(v is not None for v in shape):
@@ -126,25 +157,40 @@ def _row(pred: Prediction) -> str:
             f"(activations {mem.peak_activation / 2**30:5.1f}){flag}")
 
 
-def report(results: list[ScheduleSearch], show_all: bool) -> str:
+def report(results: list[ScheduleSearch], show_all: bool, reasons: dict[str, str] | None = None) -> str:
+    """One line per schedule, best first; ``reasons`` says why a schedule found nothing."""
     lines = []
     for found in sorted(results, key=lambda r: -(r.best.mfu if r.best else -1)):
         head = f"{found.schedule:17s}"
-        lines.append(head + (_row(found.best) if found.best else found.reason)
+        why = (reasons or {}).get(found.schedule, found.reason)
+        lines.append(head + (_row(found.best) if found.best else "nothing fits: " + why)
                      + f"   [{len(found.evaluated)} simulated, {found.skipped} pruned]")
         if show_all:
             lines.extend("    " + _row(p) for p in sorted(found.evaluated, key=lambda p: -p.mfu))
     return "\n".join(lines)
 
 
+def _grid(args) -> Grid:
+    return Grid(args.tp, args.pp, args.dp, tuple(args.micro_batch))
+
+
 def run(args) -> list[ScheduleSearch]:
+    check_numbers(args)
     model = model_from_args(args)
     cost_model = cost_model_from_args(args)
-    if args.gpus < 2 or args.global_batch < 1:
-        raise UsageError("--gpus must be >= 2 and --global-batch >= 1")
-    grid = Grid(args.tp, args.pp, args.dp, tuple(args.micro_batch))
-    return search(_schedules(args.schedules), model, cost_model, args.gpus, args.global_batch, grid,
-                  args.flash_attention)
+    grid = _grid(args)
+    names = _schedules(args.schedules)
+    reason = no_split(args.gpus, grid, cost_model.gpu.gpus_per_node)
+    if reason is not None:  # nothing can fit for any schedule: a usage error, not an answer
+        raise UsageError(reason)
+    layouts_to_try = len(list(layouts(model, args.gpus, args.global_batch, grid, cost_model.gpu.gpus_per_node)))
+    large = layouts_to_try * len(names) > LARGE_SEARCH
+    results = []
+    for index, name in enumerate(names, 1):
+        label = f"searching {name} ({index}/{len(names)}, up to {layouts_to_try} layouts)"
+        with phase(label, large, prefix="vshape plan"):
+            results += search([name], model, cost_model, args.gpus, args.global_batch, grid, args.flash_attention)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,15 +198,18 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         results = run(args)
     except (UsageError, ValueError, ScheduleError) as error:
-        print(f"vshape plan: error: {error}", file=sys.stderr)
+        print(f"vshape: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     model, cost_model = model_from_args(args), cost_model_from_args(args)
     print(f"{model.name} ({model.total_params / 1e9:.1f}B parameters, seq {model.seq_length}) on "
           f"{args.gpus} x {cost_model.gpu.name}, global batch {args.global_batch}, "
           f"{cost_model.efficiency:.1%} of peak per pass")
-    print(report(results, args.all))
+    reasons = {r.schedule: why_nothing(r, model, cost_model, args.gpus, args.global_batch, _grid(args))
+               for r in results if r.best is None}
+    print(report(results, args.all, reasons))
     if args.json:
-        records = [{"schedule": r.schedule, "best": r.best.to_json() if r.best else None, "reason": r.reason,
+        records = [{"schedule": r.schedule, "best": r.best.to_json() if r.best else None,
+                    "reason": reasons.get(r.schedule, r.reason),
                     "evaluated": [p.to_json() for p in r.evaluated]} for r in results]
         args.json.write_text(json.dumps(records, indent=2))
     return 0
