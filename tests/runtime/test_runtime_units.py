@@ -82,10 +82,11 @@ def test_harness_kills_a_hung_group():
     assert time.monotonic() - start < 40
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_harness_reports_a_failing_rank():
+    # The ranks import torch before they raise: 30 s was not enough on a loaded 2-core machine.
     with pytest.raises(SpawnError, match="boom on"):
-        spawn(_raise, 2, timeout=30)
+        spawn(_raise, 2, timeout=120)
 
 
 def _cpu_mode_probe(rank, world_size):
