@@ -45,11 +45,20 @@ class UsageError(Exception):
     """Bad command-line input: reported as one line, exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (no usage dump) and never a traceback."""
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+_Parser = OneLineParser
+
+
+def usage_error(problem) -> int:
+    """Print ``vshape: error: <problem on one line>`` to stderr; the exit status 2 (every subcommand)."""
+    print(f"vshape: error: {_one_line(problem)}", file=sys.stderr)
+    return 2
 
 
 def _add_selection(parser: argparse.ArgumentParser) -> None:

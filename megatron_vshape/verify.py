@@ -22,7 +22,6 @@ group can check many schedules.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -648,9 +647,10 @@ def merge_results(per_rank: list, spec: RunSpec) -> dict:
 
 
 def _parse(argv):
+    from megatron_vshape.cli import OneLineParser  # a usage error is one line, not argparse's usage dump
     from megatron_vshape.schedules import schedule_names
 
-    parser = argparse.ArgumentParser(prog="vshape verify", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="vshape verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", required=True, help=f"one of: {', '.join(schedule_names())}")
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--tp", type=int, default=1)
@@ -693,9 +693,27 @@ def tolerances(device: str, dtype: str) -> tuple[float, float]:
     return (1e-6, 1e-6) if device == "cpu" else (1e-5, 1e-5)
 
 
+def _check_numbers(args) -> None:
+    """Sizes, limits and tolerances finite and in range (InputError names the flag)."""
+    from megatron_vshape.schedules import inputs
+
+    for flag in ("pp", "tp", "dp"):
+        inputs.count(f"--{flag}", getattr(args, flag), 1, 64)
+    if args.pp * args.tp * args.dp > 64:  # one process per rank, on this machine
+        raise inputs.InputError(f"--pp x --tp x --dp = {args.pp * args.tp * args.dp} ranks; at most 64")
+    inputs.count("--microbatches", args.microbatches, 1, 4096)
+    inputs.count("--layers", args.layers, 1, 1024)
+    inputs.real("--timeout", args.timeout, 0.0, 1e6, low_open=True)
+    for flag, value in (("--memory-limit", args.memory_limit), ("--grad-tol", args.grad_tol),
+                        ("--loss-tol", args.loss_tol)):
+        if value is not None:
+            inputs.real(flag, value, 0.0, 1.0, low_open=True)
+
+
 def _check_args(args) -> None:
     from megatron_vshape.schedules import SCHEDULES, get_schedule
 
+    _check_numbers(args)
     if args.schedule not in SCHEDULES:
         raise SystemExit(f"--schedule: unknown {args.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
     for flag in ("pp", "tp", "dp", "microbatches"):
@@ -750,8 +768,17 @@ def verdict(result: dict, grad_tol: float, loss_tol: float) -> list[str]:
 
 
 def main(argv=None) -> int:
-    args = _parse(argv)
-    _check_args(args)
+    from megatron_vshape.cli import UsageError, usage_error
+
+    try:  # bad arguments: one `vshape: error:` line and exit 2, like every vshape subcommand
+        args = _parse(argv)
+        _check_args(args)
+    except (UsageError, ValueError) as err:
+        return usage_error(err)
+    except SystemExit as stop:
+        if stop.code in (None, 0):  # --help
+            return 0
+        return usage_error(stop.code)
     model = replace(ModelSettings(), tied_embeddings=args.tied_embeddings, num_layers=args.layers,
                     dtype=args.dtype, spec=args.spec)
     spec = RunSpec(schedules=(args.schedule,), pp=args.pp, tp=args.tp, dp=args.dp,

@@ -224,3 +224,70 @@ def test_console_script_module_entry():
     proc = subprocess.run([sys.executable, "-m", "megatron_vshape.cli", "simulate", "-s", "??", "-d", "2",
                            "-m", "2"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- plan and verify follow the CLI's conventions (issue 12)
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vshape: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--schedule", "v-half"], "the following arguments are required: --pp (see vshape verify --help)"),
+    (["--schedule", "nope", "--pp", "2"], "--schedule: unknown 'nope'"),
+    (["--schedule", "v-half", "--pp", "2", "--layers", "6"], "--layers 6 must divide into 4 stages"),
+    (["--schedule", "v-auto", "--pp", "2", "--memory-limit", "nan"], "--memory-limit: must be a finite number"),
+    (["--schedule", "v-half", "--pp", "2", "--timeout", "-1"], "--timeout: must be in (0, 1e+06]"),
+    (["--schedule", "v-half", "--pp", "100"], "--pp: must be in [1, 64]"),
+])
+def test_defect6_verify_bad_arguments_exit_2_with_the_prefix(capsys, argv, expected):
+    code = cli.main(["verify", *argv])  # was: SystemExit(1) with a bare message, or argparse's usage dump
+    assert code == 2 and expected in one_error_line(capsys.readouterr().err)
+
+
+PLAN_9_6B = ["plan", "--model", "9.6b", "--global-batch", "64"]
+
+
+def test_defect6_plan_says_why_nothing_fits_for_7_gpus(capsys):
+    assert cli.main([*PLAN_9_6B, "--gpus", "7"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    assert len(lines) == 5  # was: "no valid configuration" and no reason
+    for line in lines:
+        stages = 14 if line.startswith("v-") else 7
+        assert f"nothing fits: no layout can run it: {stages} stages must divide layers + 2 = 32" in line, line
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--gpus", "16", "--tp", "16"], "--tp: TP must be at most the 8 GPUs of one node; got 16"),
+    (["--gpus", "16", "--pp", "3"], "--gpus 16: no split into TP x PP x DP"),
+    (["--gpus", "1"], "--gpus: must be in [2, 65536]; got 1"),
+    (["--gpus", "16", "--efficiency", "nan"], "--efficiency: must be a finite number in (0, 1]"),
+    (["--gpus", "16", "--calibrate-f-ms", "inf"], "--calibrate-f-ms: must be a finite number"),
+    (["--gpus", "16", "--micro-batch", "0"], "--micro-batch: '0': give positive integers"),
+])
+def test_plan_bad_input_is_one_prefixed_line_with_exit_2(capsys, argv, expected):
+    assert cli.main([*PLAN_9_6B, *argv]) == 2
+    assert expected in one_error_line(capsys.readouterr().err)
+
+
+def test_plan_reasons_memory_and_batch(capsys):
+    assert cli.main(["plan", "--model", "98.5b", "--global-batch", "64", "--gpus", "8", "--schedules", "v-half"]) == 0
+    assert "nothing fits: weights, gradients and optimizer state alone exceed A100 80GB's memory" in \
+        capsys.readouterr().out
+    assert cli.main(["plan", "--model", "9.6b", "--global-batch", "256", "--seq", "4096", "--gpus", "16",
+                     "--schedules", "gpipe", "--micro-batch", "8", "--tp", "1", "--pp", "16"]) == 0
+    assert "nothing fits: every layout simulated is out of memory (least: DP1 TP1 PP16 mb8 x32 needs" in \
+        capsys.readouterr().out
+
+
+def test_plan_progress_above_the_size_threshold(capsys, monkeypatch):
+    from megatron_vshape.planner import cli as plan_cli
+
+    monkeypatch.setattr(plan_cli, "LARGE_SEARCH", 0)
+    assert cli.main([*PLAN_9_6B, "--gpus", "16", "--schedules", "1f1b,v-half"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("vshape plan: searching 1f1b (1/2, up to ") and err[0].endswith("layouts) ...")
+    assert err[-1].startswith("vshape plan: searching v-half (2/2, up to ") and "done in" in err[-1]
