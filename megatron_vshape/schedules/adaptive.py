@@ -22,10 +22,13 @@ Enumerating blocks is cheap; evaluating one means repeat, squeeze and reorder. B
 therefore screened (``_screened_blocks``) and only a few per memory level are evaluated.
 
 Up to ``_PROXY_CELLS`` (devices x microbatches) the search is exact: every candidate is built at
-the requested size and its measured peak and bubble decide. Above it, candidates are compared on a
-shorter run (blocks without the reorder), a candidate fits when its memory bound does (the full-size schedule never exceeds
-it), only candidates that fit are evaluated, and only the winner is built at full size. There,
-monotonicity holds for the short-run bubbles the choice is made on.
+the requested size and its measured peak and bubble decide. Above it, building the whole family
+(or even ranking it on shorter runs) takes minutes at d=64, so the candidates are the fixed
+schedules only (V-Min, V-Half, V-ZB, and the low greedy cap for limits below V-Min's memory), a
+candidate fits when its memory bound does (the full-size schedule never exceeds it), and the
+``_PROXY_EVALUATED`` fitting ones with the most memory are built at full size; the lower bubble
+wins. Everywhere we measured, a fixed schedule with more memory has the lower bubble (V-ZB <
+V-Half < V-Min), which is what makes the top two enough.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ _PER_LEVEL = 2  # blocks per memory level that go to stage 2 of the screen
 # level's: the reorder gains more where memory is spare (d=16: up to 0.025), so a strict Pareto
 # cut would drop levels that end up best; 0.02 keeps twice the blocks for little more gain.
 _STAGE2_SLACK = 0.01
-_PROXY_CELLS = 1024  # above d*m, candidates are compared on a shorter run (see evaluate_candidates)
-_PROXY_RUN_CELLS = 512  # ... of max(2d, _PROXY_RUN_CELLS // d) microbatches
+_PROXY_CELLS = 1024  # above d*m, only the fixed schedules compete (see the module docstring)
+_PROXY_EVALUATED = 2  # ... and only this many of them, those with the most memory that fit, are built
+_FIXED_CANDIDATES = 3  # V-Min, V-Half, V-ZB: the first candidates above _PROXY_CELLS
 _EPS = 1e-9
 
 
@@ -184,12 +188,6 @@ class BlockCandidate:
     def build(self, num_microbatches: int, costs: Costs) -> Schedule:
         return schedule_from_block(self.block, num_microbatches, costs, NAME)
 
-    def short_run_bubble(self, num_microbatches: int, costs: Costs) -> float:
-        """Bubble of the repeated, squeezed block without the reorder: the reorder only touches
-        warm-up and cool-down, whose share shrinks on long runs, and it costs several
-        list-scheduler runs."""
-        return simulate(self.block.repeat(num_microbatches, NAME), costs).bubble_rate
-
 
 @lru_cache(maxsize=32)
 def candidate_blocks(num_devices: int) -> tuple[BlockCandidate, ...]:
@@ -199,7 +197,7 @@ def candidate_blocks(num_devices: int) -> tuple[BlockCandidate, ...]:
     that repeat into the same programs are kept once (the peak, too, follows from the order).
     """
     placement = Placement.v_shape(num_devices)
-    blocks = [_with_bound("v-min", v_min_block(num_devices)), _with_bound("v-half", v_half_block(num_devices))]
+    blocks = list(_named_blocks(num_devices))
     seen = {_order_key(c.block) for c in blocks}
     for legs in _leg_patterns(num_devices):
         for joins in _collision_free_joins(legs):
@@ -213,6 +211,11 @@ def candidate_blocks(num_devices: int) -> tuple[BlockCandidate, ...]:
             if candidate.bound <= num_devices + _EPS:  # more than 1F1B's memory never fits a limit <= 1
                 blocks.append(candidate)
     return tuple(blocks)
+
+
+def _named_blocks(num_devices: int) -> tuple[BlockCandidate, BlockCandidate]:
+    """V-Min and V-Half, without enumerating the family (minutes at d=64)."""
+    return _with_bound("v-min", v_min_block(num_devices)), _with_bound("v-half", v_half_block(num_devices))
 
 
 def _with_bound(label: str, block: BuildingBlock) -> BlockCandidate:
@@ -248,9 +251,6 @@ class GreedyCandidate:
         family = GreedyFamily(NAME, Placement.v_shape, lambda d: [_cap_units(d, fraction)] * d)
         return best_greedy(family, self.num_devices, num_microbatches, costs)
 
-    def short_run_bubble(self, num_microbatches: int, costs: Costs) -> float:
-        return simulate(self.build(num_microbatches, costs), costs).bubble_rate
-
 
 def _cap_units(num_devices: int, fraction: float) -> float:
     """``fraction`` x 1F1B's peak in memory units, rounded down to half units, at least 1 unit
@@ -265,9 +265,8 @@ Candidate = BlockCandidate | GreedyCandidate
 class Evaluated:
     """A candidate's peak memory (units, worst device) and bubble rate under the costs.
 
-    ``exact``: measured on the schedule at the requested size (which is then kept in
-    ``schedule``). Otherwise ``bubble`` comes from a shorter run and ``peak`` is the
-    candidate's memory bound, which the full-size schedule never exceeds.
+    Always measured on the schedule at the requested size (kept in ``schedule``). ``exact``:
+    the candidate came from the full search (``_PROXY_CELLS``), not the fixed-schedule shortlist.
     """
 
     candidate: Candidate
@@ -319,31 +318,30 @@ def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> l
     return named + kept
 
 
-def _run_size(num_devices: int, num_microbatches: int) -> tuple[bool, int]:
-    """(exact, microbatches of the evaluation run): exact up to ``_PROXY_CELLS``, else a shorter run."""
-    if num_devices * num_microbatches <= _PROXY_CELLS:
-        return True, num_microbatches
-    return False, max(2 * num_devices, _PROXY_RUN_CELLS // num_devices)
+def _is_exact(num_devices: int, num_microbatches: int) -> bool:
+    """Full search up to ``_PROXY_CELLS`` cells, the fixed schedules only above."""
+    return num_devices * num_microbatches <= _PROXY_CELLS
 
 
 @lru_cache(maxsize=64)
 def candidates(num_devices: int, num_microbatches: int, costs: Costs) -> tuple[Candidate, ...]:
     """v-auto's candidate set for these sizes and costs (it never depends on the limit)."""
     d = num_devices
-    _, run_m = _run_size(d, num_microbatches)
     fractions = {_cap_units(d, f): f for f in sorted(_GREEDY_FRACTIONS)}  # one per distinct cap
+    if not _is_exact(d, num_microbatches):
+        # V-Min, V-Half, V-ZB, and the lowest cap (the only way below V-Min's memory).
+        lowest = min(fractions.values())
+        return (*_named_blocks(d), GreedyCandidate(d, 1.0), *([GreedyCandidate(d, lowest)] * (lowest < 1)))
     greedy = [GreedyCandidate(d, fraction) for fraction in sorted(fractions.values())]
-    return tuple(_screened_blocks(d, costs, run_m) + greedy)
+    return tuple(_screened_blocks(d, costs, num_microbatches) + greedy)
 
 
 @lru_cache(maxsize=1024)
 def _evaluate(num_devices: int, num_microbatches: int, costs: Costs, index: int) -> Evaluated:
     candidate = candidates(num_devices, num_microbatches, costs)[index]
-    exact, run_m = _run_size(num_devices, num_microbatches)
+    exact = _is_exact(num_devices, num_microbatches)
     try:
-        if not exact:
-            return Evaluated(candidate, candidate.memory_bound(), candidate.short_run_bubble(run_m, costs), exact)
-        schedule = candidate.build(run_m, costs)
+        schedule = candidate.build(num_microbatches, costs)
     except ScheduleError:  # e.g. every greedy variant stalls under this cap: never choose it
         return Evaluated(candidate, math.inf, math.inf, exact)
     result = simulate(schedule, costs)
@@ -373,8 +371,7 @@ def lowest_reachable_limit(num_devices: int, num_microbatches: int, costs: Costs
 def _peaks(num_devices: int, num_microbatches: int, costs: Costs) -> list[tuple[int, float]]:
     """(index, peak) of every candidate. An exact search measures the peaks (which needs every
     candidate built); otherwise the memory bounds are the peaks and nothing is built yet."""
-    exact, _ = _run_size(num_devices, num_microbatches)
-    if exact:
+    if _is_exact(num_devices, num_microbatches):
         return [(i, e.peak) for i, e in enumerate(evaluate_candidates(num_devices, num_microbatches, costs))]
     return [(i, c.memory_bound()) for i, c in enumerate(candidates(num_devices, num_microbatches, costs))]
 
@@ -383,7 +380,8 @@ def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: 
     """The lowest-bubble candidate whose peak fits ``memory_limit * num_devices`` units.
 
     Ties go to the lower peak, then to the earlier candidate, so the choice is deterministic.
-    Only candidates that fit are evaluated (all of them in an exact search, see ``_peaks``).
+    Only candidates that fit are evaluated (all of them in an exact search, see ``_peaks``;
+    otherwise the ``_PROXY_EVALUATED`` with the largest memory bounds).
     """
     _check_limit(memory_limit)
     peaks = _peaks(num_devices, num_microbatches, costs)
@@ -396,6 +394,12 @@ def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: 
             f"{num_microbatches} microbatches; the lowest reachable is {math.ceil(lowest * 1000) / 1000:g} "
             f"(x 1F1B's peak): raise --memory-limit to at least that"
         )
+    if not _is_exact(num_devices, num_microbatches):
+        # The low greedy cap (last) only where nothing else fits: it is slow to build and, at
+        # less memory than V-Min, never better.
+        fixed = [i for i in fitting if i < _FIXED_CANDIDATES] or fitting
+        bounds = dict(peaks)
+        fitting = sorted(fixed, key=lambda i: (-bounds[i], i))[:_PROXY_EVALUATED]
     evaluated = {i: _evaluate(num_devices, num_microbatches, costs, i) for i in fitting}
     best = min(fitting, key=lambda i: (evaluated[i].bubble, evaluated[i].peak, i))
     if math.isinf(evaluated[best].bubble):
@@ -407,7 +411,7 @@ def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: 
 @lru_cache(maxsize=64)
 def _chosen_schedule(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: float):
     chosen = choose(num_devices, num_microbatches, costs, memory_limit)
-    return chosen, chosen.schedule or chosen.candidate.build(num_microbatches, costs)
+    return chosen, chosen.schedule
 
 
 def v_auto(num_devices: int, num_microbatches: int, costs: Costs = Costs(), memory_limit: float | None = None) -> Schedule:
