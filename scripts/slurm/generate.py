@@ -9,8 +9,19 @@ Families (model shapes from the paper, A100 80 GB nodes with 8 GPUs by default):
   hybrid:        98.5B on 40 GPUs, every DP x TP x PP grid point and microbatch size, at sequence
                  lengths 1024, 3072 and 16384.
 Every script takes ``--dry-run`` (print the exact torchrun command lines, run nothing) and reads
-NODES, GPUS_PER_NODE, MASTER_PORT, TRAIN_ITERS, DATA_PATH, VOCAB_FILE, MERGE_FILE, PRETRAIN, SRUN_ARGS,
-EXTRA_ARGS from the environment; the partition is sbatch's (``sbatch -p NAME`` or SBATCH_PARTITION).
+NODES, GPUS_PER_NODE, CPUS_PER_TASK, MASTER_PORT, TRAIN_ITERS, DATA_PATH, VOCAB_FILE, MERGE_FILE, PRETRAIN,
+SRUN_ARGS, EXTRA_ARGS from the environment; the partition is sbatch's (``sbatch -p NAME`` or SBATCH_PARTITION).
+
+Layer spec: Megatron's GPU spec, ``--transformer-impl transformer_engine`` with TE's fused (cuDNN) attention
+(``--attention-backend fused``; ``--attention-backend flash`` needs the flash-attn package). The local spec's
+attention is unfused: at sequence 16384 its s x s scores alone take tens of GB per layer and microbatch.
+Split schedules get the split layer spec from the glue (megatron_vshape.megatron), not from these flags.
+
+Memory: every grid point goes through the planner's memory model (megatron_vshape.planner: weights,
+gradients and sharded optimizer state, plus the simulated activation peak of the schedule with flash
+attention's activation sizes) for an A100 80 GB; a point whose predicted peak exceeds the usable memory
+is dropped, and the script's header lists it with its predicted peak. A script none of whose points fit
+keeps its name, lists them all and exits with an error.
 The embedding and the loss each count as one layer in the pipeline split
 (``--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split``): that is how the
 paper's layer counts (30, 46, 62, 78) fill 2 x #GPUs V stages evenly.
@@ -19,13 +30,33 @@ paper's layer counts (30, 46, 62, 78) fill 2 x #GPUs V stages evenly.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+
+from megatron_vshape.planner import CostModel, GPTModel, Layout, get_gpu, predict
+from megatron_vshape.planner.memory import (
+    RESERVED_BYTES,
+    MemoryEstimate,
+    activation_model,
+    activation_peaks,
+    static_bytes,
+)
+from megatron_vshape.planner.predict import chunk_costs, num_stages, split_name
+from megatron_vshape.schedules import ScheduleError, get_schedule, simulate
 
 HERE = Path(__file__).resolve().parent
 GPUS_PER_NODE = 8
+CPUS_PER_GPU = 8  # dataloader workers + the rank's own threads; DGX A100 nodes have 128 cores
+GPU = get_gpu("a100")  # the paper's cluster: A100 SXM 80 GB
+GIB = 1024**3
+VOCAB = 50257  # GPT-2's, as the NullTokenizer mock data and the GPT2BPETokenizer data both use
+# Megatron's GPU layer spec: TE layers with TE's fused (cuDNN) attention, which stores no s x s scores.
+ATTENTION_BACKEND = "fused"
+GPU_SPEC = ("--transformer-impl", "transformer_engine", "--attention-backend", ATTENTION_BACKEND)
 
 
 @dataclass(frozen=True)
@@ -96,7 +127,7 @@ class Run:
             "--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
             "--micro-batch-size", str(self.micro_batch), "--global-batch-size", str(self.global_batch),
             "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-            "--bf16", "--transformer-impl", "local", "--use-distributed-optimizer",
+            "--bf16", *GPU_SPEC, "--use-distributed-optimizer",
             "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
             "--clip-grad", "1.0", "--init-method-std", "0.006",
             "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0", "--log-throughput",
@@ -104,6 +135,24 @@ class Run:
         if self.tp > 1:
             out.append("--sequence-parallel")
         return out + list(self.variant.extra)
+
+    @property
+    def dp(self) -> int:
+        return self.model.gpus // (self.tp * self.pp)
+
+    @property
+    def layout_text(self) -> str:
+        return f"TP{self.tp} PP{self.pp} DP{self.dp} mbs{self.micro_batch} x{self.global_batch // (self.micro_batch * self.dp)}"
+
+    @property
+    def key(self) -> str:
+        """Identity of the run for the memory cache."""
+        return (f"{self.model.name} seq{self.seq} {self.variant.name} TP{self.tp} PP{self.pp} mbs{self.micro_batch} "
+                f"gbs{self.global_batch}")
+
+    @cached_property
+    def memory(self) -> MemoryFit:
+        return MEMORY_CACHE.get(self)
 
     def fits(self) -> bool:
         """The layout divides the layers and the batch the way Megatron (and the schedule) require."""
@@ -115,6 +164,95 @@ class Run:
         if (self.model.layers + 2) % stages:
             return False
         return self.variant.name != "interleaved-1f1b" or (m >= self.pp and m % self.pp == 0)
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """The planner's per-GPU memory prediction for one run (worst GPU)."""
+
+    peak: float  # bytes: static + activations on the worst GPU
+    static: float  # weights, gradients, optimizer state on that GPU
+    activation: float
+    capacity: float  # usable bytes (HBM minus the planner's reserve)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+    def describe(self) -> str:
+        return (f"predicted peak {self.peak / GIB:.1f} GiB (static {self.static / GIB:.1f} + activations "
+                f"{self.activation / GIB:.1f}) of {self.capacity / GIB:.0f} GiB usable")
+
+
+class MemoryCache:
+    """Planner verdicts by run, kept in ``memory_fit.json`` next to the scripts.
+
+    The planner simulates every schedule at up to 40 devices and 640 microbatches: all grid points
+    take tens of minutes, so ``--check`` and the tests read the verdicts from this file, and the
+    tests recompute the points nearest the memory limit with the live planner (a planner change that
+    would flip a verdict fails them). Runs missing from the file are computed on the spot;
+    ``--refresh-memory`` recomputes all.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
+        self.refresh = False
+        self.dirty = False
+
+    def get(self, run: Run) -> MemoryFit:
+        entry = None if self.refresh else self.entries.get(run.key)
+        if entry is None:
+            fit = memory_fit(run)
+            self.entries[run.key] = {"peak": fit.peak, "static": fit.static, "activation": fit.activation}
+            self.dirty = True
+            return fit
+        return MemoryFit(entry["peak"], entry["static"], entry["activation"], GPU.memory_bytes - RESERVED_BYTES)
+
+    def save(self, keys: set[str]) -> None:
+        """Write the entries of ``keys`` (runs that no longer exist are dropped from the file)."""
+        kept = {key: self.entries[key] for key in sorted(keys)}
+        self.path.write_text(json.dumps(kept, indent=1) + "\n")
+
+
+MEMORY_CACHE = MemoryCache(HERE / "memory_fit.json")
+
+
+def padded_vocab(tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 x TP (--make-vocab-size-divisible-by 128)."""
+    multiple = 128 * tp
+    return -(-VOCAB // multiple) * multiple
+
+
+def planner_model(run: Run) -> GPTModel:
+    m = run.model
+    return GPTModel(m.name, m.layers, m.hidden, m.heads, run.seq, padded_vocab(run.tp))
+
+
+def memory_fit(run: Run) -> MemoryFit:
+    """Static + simulated activation peak of the worst GPU, from the planner (TE fused attention = flash sizes)."""
+    model, layout = planner_model(run), Layout(run.dp, run.tp, run.pp, run.micro_batch, run.global_batch)
+    cost_model = CostModel(GPU)  # distributed optimizer, as the scripts run
+    try:
+        estimate = predict(run.variant.name, layout, model, cost_model, flash_attention=True).memory
+    except ScheduleError:
+        # The planner extrapolates large microbatch counts from two smaller ones, which
+        # interleaved-1f1b refuses unless they are multiples of PP: simulate the real size instead.
+        estimate = _exact_memory(run.variant.name, layout, model, cost_model)
+    worst = max(range(len(estimate.per_device)), key=lambda i: estimate.per_device[i])
+    return MemoryFit(estimate.per_device[worst], estimate.static[worst], estimate.activation[worst],
+                     GPU.memory_bytes - RESERVED_BYTES)
+
+
+def _exact_memory(name: str, layout: Layout, model: GPTModel, cost_model: CostModel) -> MemoryEstimate:
+    base, recompute = split_name(name)
+    stages = num_stages(name, layout.pp)
+    costs = chunk_costs(cost_model.pass_times(model, layout), model, stages, recompute, layout.pp)
+    result = simulate(get_schedule(base, layout.pp, layout.num_microbatches, costs), costs)
+    static = static_bytes(model, layout, result.schedule.placement.stages_per_device, stages,
+                          cost_model.distributed_optimizer)
+    acts = activation_model(model, layout, stages, flash_attention=True, recompute=recompute)
+    return MemoryEstimate(static, activation_peaks(result, acts))
 
 
 def pure_pipeline_runs(model: Model, variant: Variant) -> list[Run]:
@@ -142,7 +280,15 @@ class Script:
     job_name: str
     description: str
     gpus: int
-    runs: tuple[Run, ...]
+    runs: tuple[Run, ...]  # every grid point the layout rules allow, fitting or not
+
+    @property
+    def kept(self) -> tuple[Run, ...]:
+        return tuple(run for run in self.runs if run.memory.fits)
+
+    @property
+    def dropped(self) -> tuple[Run, ...]:
+        return tuple(run for run in self.runs if not run.memory.fits)
 
 
 def all_scripts() -> list[Script]:
@@ -174,11 +320,18 @@ TEMPLATE = """#!/bin/bash
 #   bash {path} --dry-run                 # print the torchrun command lines, run nothing
 # Environment: NODES, GPUS_PER_NODE (NODES x GPUS_PER_NODE must be {gpus}), MASTER_PORT, TRAIN_ITERS,
 #   DATA_PATH (+ VOCAB_FILE, MERGE_FILE; default: --mock-data), PRETRAIN (entry script; default
-#   scripts/pretrain_gpt.py), SRUN_ARGS (e.g. pyxis --container-image=...), EXTRA_ARGS, RUN_INDEX.
-#SBATCH --job-name={job_name}
+#   scripts/pretrain_gpt.py), SRUN_ARGS (e.g. pyxis --container-image=...), EXTRA_ARGS, RUN_INDEX,
+#   CPUS_PER_TASK (CPU cores for each node's torchrun and its 8 ranks; default {cpus}, as requested below).
+# Layer spec: --transformer-impl transformer_engine --attention-backend {attention} (TE's fused attention;
+#   the local spec's unfused attention stores s x s scores per layer and does not fit at long sequences).
+#
+# Memory ({gpu}, the planner's model in megatron_vshape/planner: weights, gradients and sharded optimizer
+# state plus the schedule's simulated activation peak): {kept} of {total} grid points fit and are below.
+{dropped}#SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task={cpus}
 #SBATCH --exclusive
 #SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
@@ -188,6 +341,9 @@ DRY_RUN=0
 if [[ "${{1:-}}" == "--dry-run" ]]; then DRY_RUN=1; fi
 NODES=${{NODES:-${{SLURM_JOB_NUM_NODES:-{nodes}}}}}
 GPUS_PER_NODE=${{GPUS_PER_NODE:-8}}
+# srun does not inherit sbatch's --cpus-per-task on every Slurm version: pass it to the step explicitly,
+# or each node's 8 ranks would share one core.
+CPUS_PER_TASK=${{CPUS_PER_TASK:-${{SLURM_CPUS_PER_TASK:-{cpus}}}}}
 if (( NODES * GPUS_PER_NODE != {gpus} )); then
   echo "error: NODES x GPUS_PER_NODE = $((NODES * GPUS_PER_NODE)), this run needs {gpus} GPUs; set NODES/GPUS_PER_NODE" >&2
   exit 2
@@ -212,7 +368,7 @@ read -r -a SRUN_EXTRA <<< "${{SRUN_ARGS:-}}"
 RUNS=(
 {runs}
 )
-
+{empty}
 launch() {{
   local index=$1; shift
   # One identical command per node; torchrun's c10d rendezvous assigns the node ranks.
@@ -224,7 +380,7 @@ launch() {{
     printf '%q ' "${{cmd[@]}}"; printf '\\n'
   else
     echo "=== run $index: ${{cmd[*]}}"
-    srun --nodes "$NODES" --ntasks-per-node 1 ${{SRUN_EXTRA[@]+"${{SRUN_EXTRA[@]}}"}} "${{cmd[@]}}" || echo "=== run $index failed"
+    srun --nodes "$NODES" --ntasks-per-node 1 --cpus-per-task "$CPUS_PER_TASK" ${{SRUN_EXTRA[@]+"${{SRUN_EXTRA[@]}}"}} "${{cmd[@]}}" || echo "=== run $index failed"
   fi
 }}
 
@@ -236,20 +392,40 @@ done
 """
 
 
+EMPTY = """if (( ${{#RUNS[@]}} == 0 )); then
+  echo "error: no grid point of this script fits in {gpu} memory (planner's model; see the header)" >&2
+  exit 3
+fi
+"""
+
+
 def render(script: Script) -> str:
-    runs = "\n".join("  " + shlex.quote(" ".join(run.args())) for run in script.runs)
+    runs = "\n".join(f"  # {run.layout_text}: {run.memory.describe()}\n  " + shlex.quote(" ".join(run.args()))
+                      for run in script.kept)
+    dropped = "".join(f"#   dropped {run.layout_text}: {run.memory.describe()}\n" for run in script.dropped)
+    empty = "" if script.kept else EMPTY.format(gpu=GPU.name)
     return TEMPLATE.format(description=script.description, path=f"scripts/slurm/{script.filename}",
                            job_name=script.job_name, nodes=script.gpus // GPUS_PER_NODE, gpus=script.gpus,
-                           runs=runs)
+                           runs=runs, cpus=CPUS_PER_GPU * GPUS_PER_NODE, attention=ATTENTION_BACKEND,
+                           gpu=GPU.name, kept=len(script.kept), total=len(script.runs), dropped=dropped,
+                           empty=empty)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, default=HERE)
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on any difference")
+    parser.add_argument("--refresh-memory", action="store_true",
+                        help="recompute every grid point's memory with the planner (tens of minutes) instead of "
+                             "reading memory_fit.json")
     opts = parser.parse_args(argv)
+    if opts.check and opts.refresh_memory:
+        parser.error("--check compares with the committed memory_fit.json; drop --refresh-memory")
+    MEMORY_CACHE.refresh = opts.refresh_memory
+    scripts = all_scripts()
+    keys = {run.key for script in scripts for run in script.runs}
     stale = []
-    for script in all_scripts():
+    for script in scripts:
         path, text = opts.out_dir / script.filename, render(script)
         if opts.check:
             if not path.exists() or path.read_text() != text:
@@ -257,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         path.write_text(text)
         path.chmod(0o755)
+    if opts.check and (MEMORY_CACHE.dirty or set(MEMORY_CACHE.entries) != keys):
+        stale.append(MEMORY_CACHE.path.name)
+    elif not opts.check:
+        MEMORY_CACHE.save(keys)
     if stale:
         print(f"stale Slurm scripts (rerun scripts/slurm/generate.py): {', '.join(stale)}", file=sys.stderr)
         return 1

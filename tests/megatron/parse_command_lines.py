@@ -3,15 +3,22 @@
 stdin: JSON list of {"argv": [...after the entry script...], "world_size": N, "env": {launch environment}}
 stdout (last line): JSON list of error strings, "" for a line that parsed and validated.
 Each line goes through our validate() and then Megatron's own validate_args().
+
+The scripts target the Docker image (docker/Dockerfile), whose build fails unless Transformer Engine and
+apex's kernels import (docker/check_kernels.py). This environment has neither, so while our validate()
+runs, the checks that look for them (package metadata, module lookup; nothing is imported) see the image's.
 """
 
 import argparse
 import contextlib
 import copy
+import importlib.util
 import io
 import json
 import os
 import sys
+from importlib import metadata
+from unittest import mock
 
 from megatron_vshape.megatron.training_cpu import patch_python_compat
 
@@ -20,6 +27,26 @@ from megatron.training import arguments as megatron_arguments  # noqa: E402
 from megatron.training.arguments import add_megatron_arguments, validate_args  # noqa: E402
 
 from megatron_vshape.megatron.arguments import add_arguments, validate  # noqa: E402
+
+# What the image provides that validate() looks up (docker/check_kernels.py requires both).
+IMAGE_DISTRIBUTIONS = {"transformer-engine": "2.10.0", "transformer_engine": "2.10.0"}
+IMAGE_MODULES = ("fused_weight_gradient_mlp_cuda", "transformer_engine", "transformer_engine_torch")
+
+
+@contextlib.contextmanager
+def as_in_the_image():
+    real_version, real_find_spec = metadata.version, importlib.util.find_spec
+
+    def version(dist):
+        return IMAGE_DISTRIBUTIONS[dist] if dist in IMAGE_DISTRIBUTIONS else real_version(dist)
+
+    def find_spec(name, *args, **kwargs):
+        if name in IMAGE_MODULES:
+            return importlib.util.spec_from_loader(name, loader=None)
+        return real_find_spec(name, *args, **kwargs)
+
+    with mock.patch.object(metadata, "version", version), mock.patch.object(importlib.util, "find_spec", find_spec):
+        yield
 
 
 class _ParseError(Exception):
@@ -37,7 +64,8 @@ def check(parser, item) -> str:
     try:
         args = parser.parse_args(item["argv"])
         args.rank, args.world_size = 0, item["world_size"]
-        validate(args)
+        with as_in_the_image():
+            validate(args)
         with contextlib.redirect_stdout(io.StringIO()):
             validate_args(copy.copy(args))
     except (_ParseError, AssertionError, ValueError) as err:
