@@ -495,12 +495,79 @@ def check_auto_available(args, sizes) -> str | None:
     return None
 
 
+def check_save_writable(args, sizes) -> str | None:
+    """Refuse an unwritable --save now, not at the first save after hours of training.
+
+    Megatron creates the missing directories itself, so the nearest existing ancestor must be a
+    directory we can create a file in (a real probe: catches read-only mounts that mode bits miss).
+    """
+    save = getattr(args, "save", None)
+    if not save:
+        return None
+    import os
+    import tempfile
+
+    probe = os.path.abspath(save)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"--save {save}: {probe} exists and is not a directory; give a directory path"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        return f"--save {save}: cannot write into {probe} ({err.strerror}); give a writable directory"
+    return None
+
+
+# The CLI's flag names in generator messages, and the training flags that set the same thing.
+_TRAINING_FLAG_NAMES = (("--memory-limit", "--pipeline-memory-limit"), ("--costs", "--pipeline-costs"))
+
+
+def check_schedule_builds(args, sizes) -> str | None:
+    """Build (and validate) the schedule for the run's PP and microbatch count, as iteration 1 will.
+
+    Any ScheduleError a config can cause (v-auto under an unreachable --pipeline-memory-limit, a
+    generator that cannot meet its caps at this size) then fails at start-up on every rank, with
+    the training flags' names, instead of as a traceback at iteration 1. Runs only on an
+    otherwise valid combination (see :func:`problems`); large sizes print progress on rank 0.
+    """
+    name = _schedule(args)
+    if name is None or name in MEGATRON_OWN_SCHEDULES or sizes.num_microbatches is None:
+        return None
+    import os
+
+    from ..progress import phase
+    from ..schedules import Costs, get_schedule, inputs, validate
+
+    where = f"--pipeline-schedule {name} at PP={sizes.pp} with {sizes.num_microbatches} microbatches"
+    try:
+        size = inputs.Size(sizes.pp, sizes.num_microbatches, 2, devices_flag="--pipeline-model-parallel-size",
+                           microbatches_flag="microbatches (--global-batch-size / (--micro-batch-size x DP))")
+        size.check()
+        spec = getattr(args, "pipeline_costs", None)
+        costs = Costs.parse(spec) if spec and spec.strip().lower() != "auto" else Costs()
+        limit = getattr(args, "pipeline_memory_limit", None) if name == AUTO_SCHEDULE else None
+        extra = {} if limit is None else {"memory_limit": limit}
+        rank0 = os.environ.get("RANK", "0") == "0"
+        with phase(f"checking {where} ({size.passes:,} passes)", size.large and rank0, prefix="megatron-vshape"):
+            validate(get_schedule(name, sizes.pp, sizes.num_microbatches, costs, **extra))
+    except ValueError as err:  # ScheduleError, InvalidSchedule, InputError
+        text = " ".join(str(err).split())
+        for cli_flag, training_flag in _TRAINING_FLAG_NAMES:
+            text = text.replace(cli_flag + " ", training_flag + " ").replace(cli_flag + ":", training_flag + ":")
+        return f"{where}: {text}"
+    return None
+
+
 CHECKS: tuple[Check, ...] = (
     check_pipeline_size, check_world_size, check_memory_limit, check_v_layers,
     check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
     check_cpu_features, check_split_conflicts, check_te_split, check_auto_available, check_pipeline_costs,
-    check_watchdog,
+    check_watchdog, check_save_writable,
 )
+# Run only when CHECKS found nothing: building the schedule can take seconds at large sizes.
+FINAL_CHECKS: tuple[Check, ...] = (check_schedule_builds,)
 
 
 def problems(args: argparse.Namespace, checks: Iterable[Check] = CHECKS) -> list[str]:
@@ -509,7 +576,10 @@ def problems(args: argparse.Namespace, checks: Iterable[Check] = CHECKS) -> list
     unknown = check_known_schedule(args, sizes)
     if unknown:  # the other checks look the schedule up; one clear line is enough
         return [unknown]
-    return [msg for check in checks if (msg := check(args, sizes)) is not None]
+    found = [msg for check in checks if (msg := check(args, sizes)) is not None]
+    if not found and checks is CHECKS:
+        found = [msg for check in FINAL_CHECKS if (msg := check(args, sizes)) is not None]
+    return found
 
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:

@@ -110,6 +110,16 @@ BAD = {
     "split-recompute": (dict(pipeline_schedule="zb-h1", num_layers=8, recompute_granularity="full"),
                         "--recompute-granularity conflicts"),
     "split-tp-overlap": (dict(cpu=False, distributed_backend=None, tp_comm_overlap=True), "--tp-comm-overlap conflicts"),
+    # Issue 12: what iteration 1 used to find (a ScheduleError traceback naming the CLI's flag) and
+    # what the first save used to find, now refused at start-up.
+    "v-auto-unreachable-limit": (dict(pipeline_schedule="v-auto", pipeline_memory_limit=0.05),
+                                 "--pipeline-schedule v-auto at PP=4 with 8 microbatches: --pipeline-memory-limit "
+                                 "0.05 is below what v-auto reaches"),
+    "microbatches-beyond-sane": (dict(global_batch_size=2 * 70000), "must be in [1, 65536]; got 70000"),
+    "pipeline-costs-nan": (dict(pipeline_schedule="v-zb", pipeline_costs="f=nan"),
+                           "--pipeline-costs: f: must be a finite number"),
+    "save-under-a-file": (dict(save=__file__ + "/ckpt"), "exists and is not a directory"),
+    "save-unwritable": (dict(save="/sys/vshape-ckpt"), "--save /sys/vshape-ckpt: cannot write into /sys"),
 }
 
 
@@ -122,6 +132,7 @@ def test_bad_combination_fails_with_one_line_naming_flag(case):
     message = str(info.value)
     assert expected in message
     assert "\n" not in message
+    assert "--memory-limit" not in message.replace("--pipeline-memory-limit", ""), "name the training flag"
     assert message.lstrip().startswith("--"), "the line must start with the flag it is about"
     assert ";" in message, "the line must say how to fix it"
 
@@ -212,3 +223,27 @@ def test_watchdog_defaults_by_device_and_turns_off_with_zero():
     assert vargs.watchdog_seconds(validate(megatron_like())) == 120.0  # --cpu
     assert vargs.watchdog_seconds(megatron_like(cpu=False)) == 300.0
     assert vargs.watchdog_seconds(validate(megatron_like(pipeline_watchdog=0.0))) == 0.0
+
+
+def test_schedule_is_built_at_start_up_only_for_an_otherwise_valid_combination(monkeypatch):
+    from megatron_vshape import schedules
+
+    built, real = [], schedules.get_schedule
+    monkeypatch.setattr(schedules, "get_schedule", lambda *a, **kw: built.append(a[:3]) or real(*a, **kw))
+    assert len(problems(megatron_like(num_layers=12))) == 1 and built == []  # other problem: no build
+    assert problems(megatron_like()) == [] and built == [("v-half", 4, 8)]
+    problems(megatron_like(pipeline_schedule="1f1b"))  # Megatron's own function: nothing of ours to build
+    assert len(built) == 1
+
+
+def test_large_start_up_build_prints_progress_on_rank_0(monkeypatch, capsys):
+    from megatron_vshape.schedules import inputs
+
+    monkeypatch.setattr(inputs, "LARGE_PASSES", 10)
+    monkeypatch.setenv("RANK", "0")
+    assert problems(megatron_like()) == []
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "megatron-vshape: checking --pipeline-schedule v-half at PP=4 with 8 microbatches (192 passes) ..."
+    assert "done in" in err[-1]
+    monkeypatch.setenv("RANK", "1")
+    assert problems(megatron_like()) == [] and capsys.readouterr().err == ""
