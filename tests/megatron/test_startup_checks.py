@@ -1,0 +1,53 @@
+"""Issue 12: config errors that used to surface late now stop every rank at start-up with exit 2.
+
+``--pipeline-schedule v-auto --pipeline-memory-limit 0.05`` passed the start-up checks and raised a
+ScheduleError traceback on every rank at iteration 1 (exit 1), naming the CLI's ``--memory-limit``;
+an unwritable ``--save`` failed only at the first save, after the work was done. Each rank is
+started by hand (torchrun would kill the slower rank as soon as one fails), as in
+test_pretrain_cpu.py's bad-config test.
+"""
+
+import os
+import signal
+import subprocess
+
+import pytest
+from glue_support import ROOT, cpu_env
+from test_pretrain_cpu import TINY, free_port, with_values
+
+PP2 = with_values(TINY, {"--pipeline-model-parallel-size": "2"})  # 8 microbatches of 2 on 2 ranks
+
+CASES = {
+    "v-auto-unreachable-limit": (
+        ["--pipeline-schedule", "v-auto", "--pipeline-memory-limit", "0.05", *PP2],
+        "megatron-vshape error: --pipeline-schedule v-auto at PP=2 with 8 microbatches: --pipeline-memory-limit 0.05 "
+        "is below what v-auto reaches on 2 devices with 8 microbatches"),
+    "save-under-a-file": (
+        ["--pipeline-schedule", "v-half", *PP2, "--save", str(ROOT / "README.md" / "ckpt"), "--save-interval", "1"],
+        f"megatron-vshape error: --save {ROOT / 'README.md' / 'ckpt'}: {ROOT / 'README.md'} exists and is not a "
+        "directory"),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_config_error_stops_every_rank_before_iteration_1(mc19_python, case):
+    args, expected = CASES[case]
+    port, world = free_port(), 2
+    procs = [subprocess.Popen([mc19_python, str(ROOT / "scripts" / "pretrain_gpt.py"), *args], cwd=ROOT,
+                              env=cpu_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(world)]
+    try:
+        outputs = [p.communicate(timeout=200)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 2, out[-3000:]  # was 1: a traceback at iteration 1 (or at the first save)
+        errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
+        assert len(errors) == 1 and errors[0].startswith(expected), out[-3000:]
+        assert "Traceback" not in out and "iteration        1/" not in out, out[-3000:]
