@@ -18,7 +18,7 @@ import tracemalloc
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_vshape import cli, progress
@@ -53,6 +53,11 @@ def assert_clean_exit(code: int, out: str, err: str) -> None:
     assert "Traceback" not in err
     figures = re.findall(r"^(?:makespan|bubble rate)\s+(\S+)", out, flags=re.M)
     assert len(figures) == 2 and all(math.isfinite(float(v)) for v in figures), out
+    # The costs it ran with must be ones a user can mean: finite and in range (NaN gave exit 0 with
+    # a wrong makespan before).
+    for value in re.findall(r"^costs .*", out, flags=re.M)[0].split()[1:]:
+        number = float(value.split("=")[1])
+        assert number == 0 or inputs.MIN_COST <= number <= inputs.MAX_COST, out
 
 
 def one_error(err: str) -> str:
@@ -207,6 +212,8 @@ SMALL_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-1p", "v-min
 
 @FUZZ
 @given(costs=COSTS_TEXT, schedule=st.sampled_from(SMALL_SCHEDULES))
+@example(costs="comm=nan", schedule="1f1b").via("issue 12")
+@example(costs="f=1e-300,b=1e300", schedule="zb-1p").via("issue 12")
 def test_fuzz_costs_text(costs, schedule):
     start = time.monotonic()
     code, out, err = run_cli("simulate", "-s", schedule, "-d", "4", "-m", "8", "--costs", costs)
