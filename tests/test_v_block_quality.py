@@ -123,3 +123,14 @@ def test_long_runs_spliced_from_a_short_run_equal_the_full_reorder(d, monkeypatc
                 patch.setattr(slot_reorder, "_short_microbatches", lambda block: 10**9)
                 full = slot_reorder.slot_schedule(block, m, "x", math.inf)
             assert spliced.programs == full.programs
+
+
+@pytest.mark.parametrize(("name", "d"), [("v-half", 4), ("v-half", 8), ("v-half", 12), ("v-min", 3)])
+def test_few_microbatches_reorder_the_cool_down_too(name, d):
+    """At m = d the last microbatch enters device 0 before the first leaves it; the cool-down
+    then starts right after the warm-up instead of not at all (the authors' phases)."""
+    block = {"v-half": v_half_block, "v-min": v_min_block}[name](d)
+    assert slot_reorder.has_early_cooldown(block, d)
+    ours = simulate(BUILDERS[name](d, d, Costs())).bubble_rate
+    no_cooldown = simulate(slot_reorder.slot_schedule(block, d, "x", math.inf, early_cooldown=False)).bubble_rate
+    assert ours < no_cooldown - 0.01

@@ -20,7 +20,7 @@ from .actions import Action, Kind
 from .reorder import fill_idle
 from .schedule import Costs, Placement, Schedule, ScheduleError
 from .simulator import simulate
-from .slot_reorder import slot_schedule
+from .slot_reorder import has_early_cooldown, slot_schedule
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,8 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
     if block.placement.num_devices * num_microbatches > _COMPARE_CELLS:
         return slotted
     candidates = [slotted, _idle_filled(block, num_microbatches, costs, name)]
+    if has_early_cooldown(block, num_microbatches):  # the authors' phases differ from ours there
+        candidates.append(slot_schedule(block, num_microbatches, name, math.inf, early_cooldown=False))
     results = [simulate(c, costs) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (round(results[i].bubble_rate, 9), results[i].peak_memory_max, i))
     return candidates[best]
