@@ -3,8 +3,9 @@
 A :class:`BuildingBlock` places every pass of *one* microbatch: for each (kind, stage) a start
 slot. Microbatch k runs the same block shifted by ``k * interval``. From a block you get its
 lifespans, its memory bound and its collisions, and :func:`schedule_from_block` turns it into a
-schedule: repeat -> squeeze (run each device's order as soon as possible) -> reorder the
-warm-up/cool-down (pull ready passes forward while no device's peak grows).
+schedule: repeat -> reorder the warm-up/cool-down (move passes into earlier idle slots while no
+device's peak passes the block's largest; ``slot_reorder``) -> squeeze (the simulator runs each
+device's order as soon as possible).
 
 Writing a new schedule is a matter of writing offsets; see the README.
 """
