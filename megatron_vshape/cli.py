@@ -74,8 +74,11 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_costs_and_memory(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--costs", default="f=1,b=1,w=1,comm=0", metavar="f=1,b=1,w=1,comm=0",
+    parser.add_argument("--costs", default=None, metavar="f=1,b=1,w=1,comm=0",
                         help="pass times of one V chunk and the p2p time (default all 1, comm 0)")
+    parser.add_argument("--costs-from", default=None, metavar="FILE",
+                        help="read the costs from a JSON file with keys f, b, w, comm (what training writes "
+                             "with --pipeline-costs auto --pipeline-costs-out FILE)")
     parser.add_argument("--memory-model", choices=("simple", "gpt"), default="simple",
                         help="simple: W frees all of F's activations; gpt: B frees part (needs --hidden, "
                              "--heads, --seq)")
@@ -185,7 +188,21 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _costs(args) -> Costs:
-    return Costs.parse(args.costs)
+    if args.costs_from is not None:
+        if args.costs is not None:
+            raise UsageError("give --costs or --costs-from, not both")
+        return _costs_from_file(args.costs_from)
+    return Costs.parse(args.costs or "f=1,b=1,w=1,comm=0")
+
+
+def _costs_from_file(path: str) -> Costs:
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--costs-from {path}: cannot read a JSON object ({err})") from None
+    if not isinstance(record, dict) or not all(key in record for key in ("f", "b", "w", "comm")):
+        raise UsageError(f"--costs-from {path}: needs the keys f, b, w and comm (as training writes them)")
+    return Costs.parse(",".join(f"{key}={record[key]}" for key in ("f", "b", "w", "comm")))
 
 
 def _memory_model(args) -> MemoryModel:

@@ -291,3 +291,21 @@ def test_plan_progress_above_the_size_threshold(capsys, monkeypatch):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("vshape plan: searching 1f1b (1/2, up to ") and err[0].endswith("layouts) ...")
     assert err[-1].startswith("vshape plan: searching v-half (2/2, up to ") and "done in" in err[-1]
+
+
+def test_simulate_reads_the_costs_training_writes(tmp_path, capsys):
+    """--costs-from FILE takes f, b, w, comm from the JSON that --pipeline-costs-out writes."""
+    import json as json_mod
+
+    from megatron_vshape.cli import main as vshape_main
+
+    path = tmp_path / "costs.json"
+    path.write_text(json_mod.dumps({"f": 1.0, "b": 1.1, "w": 0.9, "comm": 0.05, "seconds": {}, "after_iteration": 4}))
+    assert vshape_main(["simulate", "--schedule", "v-zb", "--stages", "4", "--microbatches", "8",
+                        "--costs-from", str(path), "--json"]) in (0, None)
+    assert json_mod.loads(capsys.readouterr().out)["costs"] == {"f": 1.0, "b": 1.1, "w": 0.9, "comm": 0.05}
+    path.write_text("{}")
+    code = vshape_main(["simulate", "--schedule", "v-zb", "--stages", "4", "--microbatches", "8",
+                        "--costs-from", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "needs the keys f, b, w and comm" in err
