@@ -16,10 +16,9 @@ pass inside a pass) raises instead of letting one schedule answer for another.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+
+from .process_slot import ExclusiveSlot
 
 
 @dataclass(frozen=True)
@@ -38,30 +37,9 @@ class ActiveStage:
         return self.stage == self.num_stages - 1
 
 
-class _Slot:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._active: ActiveStage | None = None
-
-    @contextmanager
-    def hold(self, active: ActiveStage) -> Iterator[ActiveStage]:
-        with self._lock:
-            if self._active is not None:
-                raise RuntimeError(
-                    f"running_stage({active.stage}) while stage {self._active.stage} is running: "
-                    "one pipeline pass at a time per process (two executors running at once?)")
-            self._active = active
-        try:
-            yield active
-        finally:
-            with self._lock:
-                self._active = None
-
-    def get(self) -> ActiveStage | None:
-        return self._active
-
-
-_SLOT = _Slot()
+_SLOT: ExclusiveSlot[ActiveStage] = ExclusiveSlot(lambda new, held: RuntimeError(
+    f"running_stage({new.stage}) while stage {held.stage} is running: "
+    "one pipeline pass at a time per process (two executors running at once?)"))
 
 
 def running_stage(stage: int, num_stages: int):

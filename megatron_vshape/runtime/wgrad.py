@@ -52,13 +52,14 @@ the executor can refuse a B that deferred nothing and the log can show the split
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .process_slot import ExclusiveSlot
 
 Key = Hashable  # the executor uses (chunk, microbatch)
 
@@ -73,34 +74,10 @@ class _Capture:
     key: Key
 
 
-class _ActiveCapture:
-    """The capture in force, one per process, readable from every thread (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._capture: _Capture | None = None
-
-    @contextmanager
-    def hold(self, capture: _Capture) -> Iterator[None]:
-        with self._lock:
-            if self._capture is not None:
-                held = self._capture
-                raise WgradError(
-                    f"capture({capture.key!r}) while capture({held.key!r}) is in force: captures do not nest, "
-                    "and one process runs one B at a time (two executors running at once?)"
-                )
-            self._capture = capture
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._capture = None
-
-    def get(self) -> _Capture | None:
-        return self._capture
-
-
-_ACTIVE = _ActiveCapture()
+# The capture in force: one per process, readable from every thread (see the module docstring).
+_ACTIVE: ExclusiveSlot[_Capture] = ExclusiveSlot(lambda new, held: WgradError(
+    f"capture({new.key!r}) while capture({held.key!r}) is in force: captures do not nest, "
+    "and one process runs one B at a time (two executors running at once?)"))
 
 
 def _current_capture() -> _Capture | None:
