@@ -64,7 +64,8 @@ def simulate(
     for program in times.programs:
         if program:
             spans.append(times.end[program[-1]] - times.start[program[0]])
-        work.append(sum(times.durations[x // times.ids.per_kind] for x in program))
+        kinds = [x // times.ids.per_kind for x in program]
+        work.append(sum(kinds.count(k) * times.durations[k] for k in range(3)))
     makespan = max(spans, default=0.0)
     most_work = max(work, default=0.0)
     bubble = 1.0 - most_work / makespan if makespan > 0 else 0.0
@@ -102,15 +103,21 @@ def _memory_timeline(times: ProgramTimes, program: list[int], deltas) -> tuple[t
     allocs = [(times.start[x], deltas[0]) for x in program if x < per_kind]
     releases = [(times.end[x], deltas[x // per_kind]) for x in program if x >= per_kind]
     releases = [event for event in releases if event[1]]
-    out = [(0.0, 0.0)]
-    level, i, j = 0.0, 0, 0
-    while i < len(allocs) or j < len(releases):
-        if j < len(releases) and (i == len(allocs) or releases[j][0] <= allocs[i][0]):
-            time, delta = releases[j]
+    # Merge (releases first at equal times), then the running level.
+    merged: list[tuple[float, float]] = []
+    i, j, n_allocs, n_releases = 0, 0, len(allocs), len(releases)
+    while i < n_allocs and j < n_releases:
+        if releases[j][0] <= allocs[i][0]:
+            merged.append(releases[j])
             j += 1
         else:
-            time, delta = allocs[i]
+            merged.append(allocs[i])
             i += 1
+    merged.extend(allocs[i:])
+    merged.extend(releases[j:])
+    out = [(0.0, 0.0)]
+    level = 0.0
+    for time, delta in merged:
         level += delta
         out.append((time, round(level, 9)))
     return tuple(out)

@@ -128,9 +128,10 @@ def run_programs(
             start[x] = ready
             now = ready + durations[kind]
             end[x] = now
-            woken = waiters.pop(x, None)
-            if woken:
-                queue.extend(woken)
+            if waiters:
+                woken = waiters.pop(x, None)
+                if woken:
+                    queue.extend(woken)
             c += 1
         cursor[device], free[device] = c, now
     return ProgramTimes(ids, id_programs, start, end, cursor, durations)
