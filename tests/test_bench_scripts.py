@@ -14,6 +14,7 @@ import bench_memory  # noqa: E402
 import bench_peers  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_memory_orders_v_schedules_below_1f1b(tmp_path):
     out = tmp_path / "mem.json"
@@ -38,6 +39,7 @@ def test_bench_memory_rejects_missing_baseline():
         bench_memory.main(["--schedules", "v-min,v-half"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_peers_has_a_row_per_system(tmp_path):
     out = tmp_path / "peers.json"

@@ -217,6 +217,7 @@ def test_export_to_stdout(capsys, fmt):
         json.loads(out)
 
 
+@pytest.mark.slow
 def test_console_script_module_entry():
     proc = subprocess.run([sys.executable, "-m", "megatron_vshape.cli", "simulate", "-s", "1f1b", "-d", "2",
                            "-m", "2", "--json"], capture_output=True, text=True, check=True)
@@ -243,7 +244,7 @@ def one_error_line(err: str) -> str:
     (["--schedule", "v-half", "--pp", "2", "--timeout", "-1"], "--timeout: must be in (0, 1e+06]"),
     (["--schedule", "v-half", "--pp", "100"], "--pp: must be in [1, 64]"),
 ])
-def test_defect6_verify_bad_arguments_exit_2_with_the_prefix(capsys, argv, expected):
+def test_verify_bad_arguments_exit_2_with_the_prefix(capsys, argv, expected):
     code = cli.main(["verify", *argv])  # was: SystemExit(1) with a bare message, or argparse's usage dump
     assert code == 2 and expected in one_error_line(capsys.readouterr().err)
 
@@ -251,7 +252,7 @@ def test_defect6_verify_bad_arguments_exit_2_with_the_prefix(capsys, argv, expec
 PLAN_9_6B = ["plan", "--model", "9.6b", "--global-batch", "64"]
 
 
-def test_defect6_plan_says_why_nothing_fits_for_7_gpus(capsys):
+def test_plan_says_why_nothing_fits_for_7_gpus(capsys):
     assert cli.main([*PLAN_9_6B, "--gpus", "7"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()[1:]
     assert len(lines) == 5  # was: "no valid configuration" and no reason

@@ -41,6 +41,7 @@ def verify_lines(commands):
     return [c for c in commands if "megatron_vshape.verify" in c]
 
 
+@pytest.mark.slow
 def test_dry_run_one_gpu_lists_the_single_gpu_checks():
     commands = dry_run_commands(1)
     verify = verify_lines(commands)
@@ -57,6 +58,7 @@ def test_dry_run_one_gpu_lists_the_single_gpu_checks():
     assert len(commands) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpus, sizes", [(2, {"2"}), (3, {"2"}), (4, {"2", "4"})])
 def test_dry_run_with_more_gpus_adds_every_schedule_over_nccl(gpus, sizes):
     multi = [c for c in verify_lines(dry_run_commands(gpus)) if value(c, "--pp") != "1"]
@@ -67,6 +69,7 @@ def test_dry_run_with_more_gpus_adds_every_schedule_over_nccl(gpus, sizes):
         assert c[:2] == ["env", "CUDA_DEVICE_MAX_CONNECTIONS=1"] and value(c, "--device") == "cuda"
 
 
+@pytest.mark.slow
 def test_every_step_has_a_timeout():
     result = run("--dry-run", "--gpus", "4", "--verify-timeout", "33")
     names = [line for line in result.stdout.splitlines() if line.startswith("# ") and "timeout" in line]
@@ -75,6 +78,7 @@ def test_every_step_has_a_timeout():
     assert sum("(timeout 33 s" in line for line in names) == 6 + 2 * len(SCHEDULES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, flag", [
     (["--gpus", "0"], "--gpus"),
     (["--budget", "0"], "--budget"),
@@ -88,11 +92,13 @@ def test_bad_arguments_get_one_line_naming_the_flag(args, flag):
     assert len(lines) == 1 and flag in lines[0], result.stderr
 
 
+@pytest.mark.slow
 def test_unknown_flag_is_a_usage_error():
     result = run("--gpu", "2")
     assert result.returncode == 2 and "unrecognized arguments" in result.stderr
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_refuses_unless_dry_run(tmp_path):
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}  # no nvidia-smi here
     result = run(env=env)
@@ -137,6 +143,7 @@ sys.exit(7)
 '''
 
 
+@pytest.mark.slow
 def test_full_run_gives_every_step_a_row_and_kills_hung_steps(tmp_path):
     stub = tmp_path / "python"
     stub.write_text(STUB.format(python=sys.executable))
@@ -182,6 +189,7 @@ def running(pid: int, wait: float = 5.0) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_budget_skips_what_does_not_fit_but_keeps_its_row(tmp_path):
     stub = tmp_path / "python"
     stub.write_text(STUB.format(python=sys.executable))

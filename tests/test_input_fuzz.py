@@ -70,7 +70,7 @@ def one_error(err: str) -> str:
 
 
 @pytest.mark.timeout(30)
-def test_defect1_nan_cost_is_refused_instead_of_hanging_v_half():
+def test_nan_cost_is_refused_instead_of_hanging_v_half():
     start = time.monotonic()
     code, _, err = run_cli("simulate", "--schedule", "v-half", "--stages", "4", "--microbatches", "8",
                            "--costs", "f=nan")
@@ -79,7 +79,7 @@ def test_defect1_nan_cost_is_refused_instead_of_hanging_v_half():
 
 
 @pytest.mark.parametrize("schedule, costs, field", [("1f1b", "comm=nan", "comm"), ("gpipe", "b=nan", "b")])
-def test_defect2_nan_cost_is_an_error_not_a_silently_wrong_answer(schedule, costs, field):
+def test_nan_cost_is_an_error_not_a_silently_wrong_answer(schedule, costs, field):
     code, out, err = run_cli("simulate", "-s", schedule, "-d", "4", "-m", "8", "--costs", costs)
     assert code == 2 and out == "", out  # was: exit 0, "makespan 48, bubble 0.0 %" / "makespan nan"
     assert f"--costs: {field}: must be a finite number" in one_error(err)
@@ -87,7 +87,7 @@ def test_defect2_nan_cost_is_an_error_not_a_silently_wrong_answer(schedule, cost
 
 @pytest.mark.parametrize("schedule, costs, field", [("v-half", "f=inf", "f"), ("v-zb", "comm=inf", "comm"),
                                                     ("v-min", "w=1e400", "w"), ("zb-h1", "b=-inf", "b")])
-def test_defect3_infinite_cost_names_the_field(schedule, costs, field):
+def test_infinite_cost_names_the_field(schedule, costs, field):
     code, _, err = run_cli("simulate", "-s", schedule, "-d", "4", "-m", "8", "--costs", costs)
     line = one_error(err)
     assert code == 2 and f"--costs: {field}:" in line, line  # was: a traceback / "no variant fits"
@@ -127,7 +127,7 @@ def test_memory_limit_nan_and_sizes_name_their_flag():
 
 
 @pytest.mark.timeout(30)
-def test_defect7_too_large_is_refused_at_once_and_large_shows_progress():
+def test_too_large_is_refused_at_once_and_large_shows_progress():
     # V-Half at 512 x 4096 did not finish in 300 s with no word: now refused in milliseconds...
     start = time.monotonic()
     code, _, err = run_cli("simulate", "-s", "v-half", "-d", "512", "-m", "4096")
@@ -161,7 +161,7 @@ def test_progress_heartbeat_while_working():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("fmt, text", [("torch-csv", "0F99999999,3F0\n1F0,2F0\n"),
                                        ("text", "F0.99999999 F3.0\nF1.0 F2.0\n")])
-def test_defect4_huge_microbatch_index_in_a_tiny_file_is_refused_before_allocating(tmp_path, fmt, text):
+def test_huge_microbatch_index_in_a_tiny_file_is_refused_before_allocating(tmp_path, fmt, text):
     path = tmp_path / "tiny.csv"
     path.write_text(text)
     tracemalloc.start()

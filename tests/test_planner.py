@@ -165,6 +165,7 @@ def _load_reproduce():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_reproduce_paper_writes_a_record_per_seed_row(tmp_path, capsys):
     reproduce = _load_reproduce()

@@ -274,6 +274,7 @@ def test_plot_rejects_unknown_suffix(tmp_path):
         plot_schedule(simulate(get_schedule("1f1b", 2, 2)), tmp_path / "x.jpg")
 
 
+@pytest.mark.slow
 def test_schedules_import_without_torch_and_matplotlib():
     code = (
         "import sys\n"

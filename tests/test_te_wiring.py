@@ -91,6 +91,7 @@ def test_megatrons_spec_import_resolves_the_split_spec_from_the_training_args(mo
     assert spec.submodules.self_attention.submodules.core_attention is attention
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_layer_from_the_split_spec_splits_exactly_with_te_attention_in_place():
     (row,) = spawn(split_spec_layer_worker, 1, (), timeout=100)

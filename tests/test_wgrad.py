@@ -285,6 +285,7 @@ MLP_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("tp", "sp", "cases"),
@@ -304,6 +305,7 @@ def test_split_gradients_equal_megatrons_bitwise(tp, sp, cases):
 SPLIT_SCHEDULES = ["zb-h1", "zb-2p", "v-min", "v-half", "v-zb"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_schedules_b_and_w_orders_give_plain_backward_grads():
     """Every stage of each split schedule in one process, B and W in the schedule's order."""
@@ -332,6 +334,7 @@ def test_w_refuses_tensors_modified_in_place_after_b(split):
 BENCH = Path(__file__).resolve().parent.parent / "scripts" / "bench_wgrad.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_script_writes_its_json(tmp_path):
     out = tmp_path / "bench.json"
@@ -346,6 +349,7 @@ def test_bench_script_writes_its_json(tmp_path):
     assert result["b_plus_w_over_fused"] == pytest.approx((result["b_ms"] + result["w_ms"]) / result["fused_ms"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_bench_script_rejects_bad_sizes_naming_the_flags():
     proc = subprocess.run([sys.executable, str(BENCH), "--hidden", "30", "--heads", "4"], capture_output=True,

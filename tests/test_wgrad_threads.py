@@ -123,6 +123,7 @@ def reference_path(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_executor_splits_with_megatrons_backward_on_worker_threads(reference_path):
     """v-zb at PP=2, custom_backward on a new thread per backward: W GEMMs run and grads are exact."""
@@ -134,6 +135,7 @@ def test_executor_splits_with_megatrons_backward_on_worker_threads(reference_pat
         assert row["result"]["max_grad_rel_err"] <= 1e-6, row
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_executor_refuses_a_b_that_defers_nothing(reference_path):
     """If the backward cannot see the capture, the first B raises instead of running the full backward."""

@@ -15,6 +15,8 @@ from _wgrad_support import recompute_dropout_worker  # noqa: E402
 
 from megatron_vshape.verify import spawn  # noqa: E402
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
 
 @pytest.mark.timeout(150)
 def test_recomputed_layers_redraw_the_forwards_dropout_masks():

@@ -17,6 +17,7 @@ def test_mix_seed_is_deterministic_and_separates_its_inputs():
     assert all(0 <= s < 2**63 for s in seeds)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("python", ["system", "mc19"])
 def test_masks_and_weights_depend_only_on_position(python, request):

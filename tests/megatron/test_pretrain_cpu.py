@@ -18,6 +18,8 @@ import subprocess
 import pytest
 from glue_support import ROOT, cpu_env, run_group
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
 TINY = ("--cpu --pipeline-model-parallel-size 4 --num-layers 8 --hidden-size 64 --num-attention-heads 4 "
         "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
         "--train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "

@@ -25,6 +25,8 @@ from glue_support import ROOT, cpu_env, run_group
 
 from megatron_vshape.schedules import schedule_names
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
 CLIENT_ENV = "MEGATRON_LM_DIR"
 DEFAULT_CLIENT = ROOT.parent / "shared" / "clients" / "megatron-lm-core_v0.19.0"
 CLIENT_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")

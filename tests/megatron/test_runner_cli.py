@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 from glue_support import ROOT, _has_megatron_training, cpu_env
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
 
 def run(*args):

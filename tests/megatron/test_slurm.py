@@ -62,6 +62,7 @@ def split_env(argv):
     return env, argv
 
 
+@pytest.mark.slow
 def test_generated_scripts_match_generator():
     result = subprocess.run([sys.executable, str(SLURM / "generate.py"), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -75,6 +76,7 @@ def test_every_paper_run_family_has_a_script_per_schedule():
             assert f"{family}_{schedule}.sbatch" in names
 
 
+@pytest.mark.slow
 def test_node_count_and_gpus_are_variables_and_checked():
     env, argv = split_env(command_lines(SLURM / "pp_9.6b_v-half.sbatch")[0])
     assert argv[0] == "torchrun" and env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -85,12 +87,14 @@ def test_node_count_and_gpus_are_variables_and_checked():
     assert bad.returncode == 2 and "needs 16 GPUs" in bad.stderr
 
 
+@pytest.mark.slow
 def test_data_path_switches_from_mock_data():
     result = dry_run(SLURM / "pp_21b_1f1b.sbatch", DATA_PATH="/data/x_text_document", VOCAB_FILE="v.json",
                      MERGE_FILE="m.txt")
     assert "--data-path /data/x_text_document" in result.stdout and "--mock-data" not in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_command_line_parses_with_megatron_and_our_flags(mc19_python):
     items, where = [], []
@@ -110,6 +114,7 @@ def test_every_command_line_parses_with_megatron_and_our_flags(mc19_python):
     assert len(errors) == len(items) > 200
 
 
+@pytest.mark.slow
 def test_no_unfused_attention_at_long_sequences():
     """The local spec's attention is unfused (s x s scores per layer): never for sequence >= 3072."""
     lines = all_command_lines()
@@ -123,6 +128,7 @@ def test_no_unfused_attention_at_long_sequences():
         assert flag(argv, "--attention-backend") in ("flash", "fused"), f"{script.name}: {flag(argv, '--attention-backend')}"
 
 
+@pytest.mark.slow
 def test_every_run_fits_the_planner_memory_model():
     """Each printed run is a grid point the planner says fits; every other grid point is listed as dropped."""
     by_name = {s.filename: s for s in GEN.all_scripts()}
@@ -143,6 +149,7 @@ def test_every_run_fits_the_planner_memory_model():
     assert not any(run.tp == 1 and run.pp <= 8 for s in by_name.values() if "hybrid" in s.filename for run in s.kept)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_memory_cache_matches_the_live_planner_near_the_limit():
     """memory_fit.json (read by --check) agrees with the planner where a verdict could flip: the kept runs

@@ -15,6 +15,8 @@ import pytest
 from glue_support import ROOT, cpu_env
 from test_pretrain_cpu import TINY, free_port, with_values
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
 PP2 = with_values(TINY, {"--pipeline-model-parallel-size": "2"})  # 8 microbatches of 2 on 2 ranks
 
 CASES = {

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from glue_support import ROOT, cpu_env, run_group
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
 ARGS = ("--cpu --pipeline-schedule v-zb --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 "
         "--num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
         "--global-batch-size 16 --train-iters 2 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
 PYTHON = os.environ.get("VSHAPE_MC19_PYTHON", "/opt/venv-mc19/bin/python")
 ROOT = Path(__file__).resolve().parents[2]
 

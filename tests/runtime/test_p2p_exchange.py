@@ -10,6 +10,8 @@ import pytest
 
 from megatron_vshape.verify import spawn
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
 MESSAGE_WIDTH = 5
 
 

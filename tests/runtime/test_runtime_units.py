@@ -68,12 +68,14 @@ def _die(rank, world_size):
     return rank
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_harness_reports_a_rank_that_dies_without_reporting():
     with pytest.raises(SpawnError, match=r"rank\(s\) \[1\] died \(exit codes \[3\]\)"):
         spawn(_die, 2, timeout=50)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_harness_kills_a_hung_group():
     start = time.monotonic()
@@ -82,6 +84,7 @@ def test_harness_kills_a_hung_group():
     assert time.monotonic() - start < 40
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_harness_reports_a_failing_rank():
     # The ranks import torch before they raise: 30 s was not enough on a loaded 2-core machine.
@@ -125,6 +128,7 @@ def _cpu_mode_probe(rank, world_size):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cpu_mode_bridges_megatron_cuda_assumptions():
     (probe,) = spawn(_cpu_mode_probe, 1, timeout=100)
@@ -141,6 +145,7 @@ def _run_verify(*args, timeout=200):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_verify_cli_json():
     proc = _run_verify("--schedule", "v-zb", "--pp", "2", "--microbatches", "4", "--json")
@@ -151,6 +156,7 @@ def test_verify_cli_json():
     assert len(report["predicted_peak_units"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, flag", [
     (["--schedule", "v-half", "--pp", "4", "--layers", "12"], "--layers"),

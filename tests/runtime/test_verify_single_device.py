@@ -17,6 +17,7 @@ from megatron_vshape.verify import ModelSettings, RunSpec, run_check, split_b_pa
 SPLIT_SCHEDULES = ("v-zb", "v-half", "v-min", "zb-1p", "zb-h1", "zb-2p")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_split_schedule_at_pp1_equals_the_fused_reference():
     spec = RunSpec(schedules=SPLIT_SCHEDULES, pp=1, microbatches=4)
@@ -32,6 +33,7 @@ def test_every_split_schedule_at_pp1_equals_the_fused_reference():
         assert results[name]["wgrad_deferred"] == results[name]["wgrad_run"] > 0, name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bf16_at_pp1_matches_a_bf16_reference_with_fp32_gradient_sums():
     model = ModelSettings(dtype="bf16")

@@ -12,6 +12,8 @@ import pytest
 from megatron_vshape.runtime.watchdog import EXIT_CODE
 from megatron_vshape.verify import SpawnError, spawn
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
 WATCHDOG_SECONDS = 8.0
 STALLED_RANK, STALLED_CALL = 1, 3  # pipeline rank 1 sleeps in its third forward
 
