@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,29 @@ def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+PORT_CLASH = ("Address already in use", "EADDRINUSE")  # as megatron_vshape.verify.spawn retries on
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout: float, cwd: Path = ROOT,
+             attempts: int = 3) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run`` on a free port; a new port when another process took it first.
+
+    The port is free when picked and bound by torchrun's store a moment later: on a shared machine
+    another test can take it in between, which fails the launch with EADDRINUSE (not the test's fault).
+    """
+    for attempt in range(attempts):
+        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(free_port()), *entry, *args]
+        result = run_group(cmd, timeout=timeout, env=cpu_env(), cwd=cwd)
+        clash = result.returncode != 0 and any(text in result.stdout for text in PORT_CLASH)
+        if not clash or attempt + 1 == attempts:
+            return result
+    raise AssertionError("unreachable")

@@ -12,11 +12,10 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 
 import pytest
-from glue_support import ROOT, cpu_env, run_group
+from glue_support import ROOT, cpu_env, free_port, torchrun
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -27,18 +26,6 @@ TINY = ("--cpu --pipeline-model-parallel-size 4 --num-layers 8 --hidden-size 64 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 VSHAPE = re.compile(r"\[vshape\] schedule (\S+) \| predicted bubble ([0-9.]+)% \| "
                     r"peak activation MiB per pipeline rank: ([0-9., ]+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout: float):
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), *entry, *args]
-    return run_group(cmd, timeout=timeout, env=cpu_env())
 
 
 def with_values(args: list[str], values: dict[str, str]) -> list[str]:

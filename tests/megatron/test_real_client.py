@@ -16,12 +16,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
-from glue_support import ROOT, cpu_env, run_group
+from glue_support import ROOT, torchrun
 
 from megatron_vshape.schedules import schedule_names
 
@@ -55,17 +54,10 @@ def client_dir() -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(python: str, entry: list[str], schedule: str, cwd: Path = ROOT) -> dict[int, float]:
     """Run 2 ranks under torchrun; return {iteration: lm loss} (fails the test on a crash or a hang)."""
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           *entry, "--pipeline-schedule", schedule, *TINY, *EXTRA_FLAGS.get(schedule, [])]
-    result = run_group(cmd, timeout=RUN_TIMEOUT, env=cpu_env(), cwd=cwd)
+    result = torchrun(python, 2, entry, ["--pipeline-schedule", schedule, *TINY, *EXTRA_FLAGS.get(schedule, [])],
+                      timeout=RUN_TIMEOUT, cwd=cwd)
     assert result.returncode == 0, f"{schedule} exited {result.returncode}:\n{result.stdout[-5000:]}"
     found = {int(i): float(v) for i, v in LOSS.findall(result.stdout)}
     assert sorted(found) == [1, 2, 3, 4, 5], result.stdout[-3000:]

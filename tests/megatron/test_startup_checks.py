@@ -12,8 +12,8 @@ import signal
 import subprocess
 
 import pytest
-from glue_support import ROOT, cpu_env
-from test_pretrain_cpu import TINY, free_port, with_values
+from glue_support import ROOT, cpu_env, free_port
+from test_pretrain_cpu import TINY, with_values
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 

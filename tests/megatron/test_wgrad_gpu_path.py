@@ -8,11 +8,10 @@ ran 0 deferred weight-gradient GEMMs that way, with unchanged losses and no erro
 """
 
 import re
-import socket
 from pathlib import Path
 
 import pytest
-from glue_support import ROOT, cpu_env, run_group
+from glue_support import ROOT, torchrun
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -24,16 +23,8 @@ W_COUNTS = re.compile(r"\[vshape\] schedule v-zb \|.*\| W deferred/run per pipel
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(python: str, entry: list[str]) -> str:
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           *entry, *ARGS]
-    result = run_group(cmd, timeout=240, env=cpu_env())
+    result = torchrun(python, 2, entry, ARGS, timeout=240)
     assert result.returncode == 0, result.stdout[-5000:]
     return result.stdout
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_vshape.schedules import schedule_names
+
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
 PYTHON = os.environ.get("VSHAPE_MC19_PYTHON", "/opt/venv-mc19/bin/python")
@@ -24,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import json, sys
     import megatron.core
+    from megatron_vshape.schedules import schedule_names
     from megatron_vshape.verify import ModelSettings, RunSpec, run_check
 
     if __name__ == "__main__":
-        all9 = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-1p", "zb-2p", "v-min", "v-half", "v-zb")
         out = {"version": megatron.core.__version__}
-        out["pp2"] = run_check(RunSpec(schedules=all9, pp=2, microbatches=4), timeout=300)
+        out["pp2"] = run_check(RunSpec(schedules=tuple(schedule_names()), pp=2, microbatches=4), timeout=300)
         out["tp2_sp_tied"] = run_check(RunSpec(schedules=("v-half", "v-zb"), pp=2, tp=2, microbatches=4,
                                                sequence_parallel=True,
                                                model=ModelSettings(tied_embeddings=True)), timeout=300)
@@ -53,6 +55,7 @@ def test_all_schedules_exact_on_megatron_core_019(tmp_path):
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     out = json.loads(lines[-1][len("RESULT"):])
     assert out["version"].startswith("0.19"), out["version"]
+    assert sorted(out["pp2"]) == sorted(schedule_names())  # every registered schedule, none skipped
     for config, losses in (("pp2", 4), ("tp2_sp_tied", 8), ("dp2_tied", 8)):
         for name, row in out[config].items():
             assert row["num_losses"] == losses, (config, name, row)
