@@ -46,6 +46,9 @@ def enable_cpu_mode() -> None:
                 "enable_cpu_mode(): a CUDA device is visible; CPU mode is for CPU-only processes "
                 "(unset CUDA_VISIBLE_DEVICES or do not call enable_cpu_mode)"
             )
+        from .patches import Group, check
+
+        check(Group.CPU)  # the RNG tracker bridge replaces megatron attributes: fail in one line if they moved
         _install_cuda_shims()
         _install_rng_tracker()
         _CpuDeviceMode().__enter__()  # stays on for the life of the process

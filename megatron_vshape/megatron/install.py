@@ -44,6 +44,8 @@ from .arguments import (
     validate,
     watchdog_seconds,
 )
+from .patches import Group as PatchGroup
+from .patches import check as check_patches
 
 _INSTALLED = "_vshape_installed"
 
@@ -64,6 +66,7 @@ def install(args: argparse.Namespace) -> None:
         from .training_cpu import enable_training_cpu_mode
 
         enable_training_cpu_mode()
+    check_patches(PatchGroup.GPU, PatchGroup.WGRAD)  # before replacing anything: one line, not a silent mismatch
     if args.pipeline_schedule in V_SCHEDULE_NAMES and getattr(args, "virtual_pipeline_model_parallel_size", 0) is None:
         # Called after Megatron's validate_args without hook_arguments(): it derived no virtual
         # pipeline, because validate() set --num-virtual-stages-per-pipeline-rank 2 only now.

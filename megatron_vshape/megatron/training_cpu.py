@@ -67,6 +67,9 @@ def enable_training_cpu_mode() -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     patch_python_compat()
     from .cpu_mode import enable_cpu_mode
+    from .patches import Group, check
+
+    check(Group.TRAINING_CPU)
 
     enable_cpu_mode()
     _count_cpu_as_one_device()

@@ -1,0 +1,132 @@
+"""Every Megatron attribute megatron-vshape replaces, with the signature its wrapper expects.
+
+The wrappers live next to the code that needs them (``install.py``, ``cpu_mode.py``,
+``training_cpu.py``, ``runtime/wgrad.py``); this table is what they assume about Megatron. :func:`check`
+compares it with the running Megatron before anything is replaced, so a rename or a signature change
+in a new megatron-core stops start-up with one line naming the attribute, instead of a wrapper that
+silently passes the wrong arguments or never runs.
+
+To support a new megatron-core: run ``tests/megatron/test_patches.py`` on it, fix the wrappers whose
+entry fails, update the entry, and add the version to ``TESTED_VERSIONS``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import inspect
+from dataclasses import dataclass
+
+from .arguments import ConfigError
+
+TESTED_VERSIONS = ("0.16.1", "0.19.2")
+
+
+class Match(enum.Enum):
+    EXACT = "exactly"  # the wrapper re-declares the parameters and calls Megatron by name
+    LEADING = "starting with"  # the wrapper names the first ones and passes the rest through
+    CONTAINS = "including"  # the wrapper sets these keywords
+
+
+class Group(enum.Enum):
+    GPU = "install"  # install(): every run on megatron.training
+    WGRAD = "wgrad"  # the executor's B/W split (megatron-core only)
+    CPU = "cpu"  # enable_cpu_mode(): --cpu and the CPU tests (megatron-core only)
+    TRAINING_CPU = "training-cpu"  # enable_training_cpu_mode(): --cpu with megatron.training
+
+
+@dataclass(frozen=True)
+class Patch:
+    module: str
+    attribute: str  # may be dotted: "Class.method"
+    params: tuple[str, ...] | None  # None: only the attribute must exist
+    group: Group
+    match: Match = Match.EXACT
+
+
+_FBF = ("pp_size", "vp_size")  # megatron-core 0.19 appends schedule_pg_collection; the wrapper passes all through
+_LINEAR = "LinearWithGradAccumulationAndAsyncCommunication.backward"
+_RANDOM = "megatron.core.tensor_parallel.random"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("megatron.core.pipeline_parallel", "get_forward_backward_func", _FBF, Group.GPU, Match.LEADING),
+    Patch("megatron.core.pipeline_parallel.schedules", "get_forward_backward_func", _FBF, Group.GPU, Match.LEADING),
+    Patch("megatron.training.training", "get_forward_backward_func", _FBF, Group.GPU, Match.LEADING),
+    Patch("megatron.training.arguments", "parse_args", ("extra_args_provider", "ignore_unknown_args"), Group.GPU),
+    Patch("megatron.training.arguments", "validate_args", ("args", "defaults"), Group.GPU),
+    Patch("megatron.training.training", "get_model", ("model_provider_func",), Group.GPU, Match.LEADING),
+    Patch("megatron.training.models.gpt", "GPTModelBuilder.build_model",
+          ("self", "pg_collection", "pre_process", "post_process", "vp_stage"), Group.GPU),
+    Patch("megatron.core.parallel_state", "is_pipeline_first_stage", ("ignore_virtual", "vp_stage"), Group.GPU),
+    Patch("megatron.core.parallel_state", "is_pipeline_last_stage", ("ignore_virtual", "vp_stage"), Group.GPU),
+    Patch("megatron.core.tensor_parallel.layers", _LINEAR, ("ctx", "grad_output"), Group.WGRAD),
+    Patch(_RANDOM, "CudaRNGStatesTracker", None, Group.CPU),
+    Patch(_RANDOM, "_MODEL_PARALLEL_RNG_TRACKER_NAME", None, Group.CPU),
+    Patch(_RANDOM, "_get_cuda_rng_state", None, Group.CPU),
+    Patch(_RANDOM, "_set_cuda_rng_state", ("new_state",), Group.CPU, Match.LEADING),
+    Patch("megatron.training.initialize", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,
+          Match.CONTAINS),
+    Patch("megatron.training.training", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,
+          Match.CONTAINS),
+    Patch("megatron.core.datasets.utils", "compile_helpers", (), Group.TRAINING_CPU),
+    Patch("megatron.training.arguments", "get_device_arch_version", (), Group.TRAINING_CPU),
+)
+
+
+class PatchError(ConfigError):
+    """A Megatron attribute the project replaces is missing or has another signature (exit 2, one line)."""
+
+
+def _megatron_version() -> str:
+    import megatron.core
+
+    return getattr(megatron.core, "__version__", "unknown")
+
+
+def _resolve(patch: Patch):
+    target = importlib.import_module(patch.module)
+    for part in patch.attribute.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _parameters(target) -> tuple[str, ...]:
+    # A wrapper installed earlier carries __wrapped__ (functools.wraps): signature() sees Megatron's.
+    return tuple(inspect.signature(target).parameters)
+
+
+def _matches(patch: Patch, actual: tuple[str, ...]) -> bool:
+    expected = patch.params
+    if patch.match is Match.EXACT:
+        return actual == expected
+    if patch.match is Match.LEADING:
+        return actual[: len(expected)] == expected
+    return set(expected) <= set(actual)
+
+
+def problem(patch: Patch) -> str | None:
+    """Why ``patch`` does not fit the running Megatron (None when it does)."""
+    name = f"{patch.module}.{patch.attribute}"
+    try:
+        target = _resolve(patch)
+    except (ImportError, AttributeError) as err:
+        return f"{name} is missing ({type(err).__name__}: {err})"
+    if patch.params is None:
+        return None
+    try:
+        actual = _parameters(target)
+    except (TypeError, ValueError):
+        return f"{name} has no inspectable signature"
+    if not _matches(patch, actual):
+        return f"{name} takes ({', '.join(actual)}); expected parameters {patch.match.value} ({', '.join(patch.params)})"
+    return None
+
+
+def check(*groups: Group) -> None:
+    """Raise :class:`PatchError` (one line) on the first entry of ``groups`` the running Megatron breaks."""
+    for patch in PATCHES:
+        if patch.group in groups:
+            why = problem(patch)
+            if why is not None:
+                raise PatchError(f"megatron-core {_megatron_version()} is not supported: {why} "
+                                 f"(megatron-vshape is tested with megatron-core {', '.join(TESTED_VERSIONS)})")
