@@ -81,3 +81,22 @@ def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout
         if not clash or attempt + 1 == attempts:
             return result
     raise AssertionError("unreachable")
+
+
+def run_ranks_by_hand(python: str, args: list[str], world: int, timeout: float) -> list[tuple[int, str]]:
+    """Start ``world`` ranks of ``python args...`` without torchrun (which would kill the slower ranks
+    as soon as one fails); return each rank's (exit code, output). Every process group is killed at the end."""
+    port = free_port()
+    procs = [subprocess.Popen([python, *args], cwd=ROOT,
+                              env=cpu_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(world)]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [(p.returncode, out) for p, out in zip(procs, outputs)]

@@ -9,13 +9,10 @@ of it imports), so the four launches are shared by the tests.
 """
 
 import json
-import os
 import re
-import signal
-import subprocess
 
 import pytest
-from glue_support import ROOT, cpu_env, free_port, torchrun
+from glue_support import ROOT, run_ranks_by_hand, torchrun
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -122,21 +119,9 @@ def test_bad_config_fails_on_every_rank_with_one_line_and_no_hang(mc19_python):
     """Each rank is started by hand (torchrun would kill the slower rank as soon as one fails)."""
     script = str(ROOT / "scripts" / "pretrain_gpt.py")
     args = with_values(TINY, {"--pipeline-model-parallel-size": "2", "--num-layers": "6"})  # 6 % (2 x PP) != 0
-    port, world = free_port(), 2
-    procs = [subprocess.Popen([mc19_python, script, "--pipeline-schedule", "v-half", *args], cwd=ROOT,
-                              env=cpu_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 2, out[-3000:]
+    results = run_ranks_by_hand(mc19_python, [script, "--pipeline-schedule", "v-half", *args], 2, timeout=150)
+    for returncode, out in results:
+        assert returncode == 2, out[-3000:]
         errors = [ln for ln in out.splitlines() if "megatron-vshape error:" in ln]
         assert errors == ["megatron-vshape error: --num-layers 6 must be divisible by 2 x "
                           "--pipeline-model-parallel-size = 4 for v-half (two V chunks per rank); use a multiple of 4"]

@@ -7,12 +7,9 @@ started by hand (torchrun would kill the slower rank as soon as one fails), as i
 test_pretrain_cpu.py's bad-config test.
 """
 
-import os
-import signal
-import subprocess
 
 import pytest
-from glue_support import ROOT, cpu_env, free_port
+from glue_support import ROOT, run_ranks_by_hand
 from test_pretrain_cpu import TINY, with_values
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
@@ -35,21 +32,9 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_config_error_stops_every_rank_before_iteration_1(mc19_python, case):
     args, expected = CASES[case]
-    port, world = free_port(), 2
-    procs = [subprocess.Popen([mc19_python, str(ROOT / "scripts" / "pretrain_gpt.py"), *args], cwd=ROOT,
-                              env=cpu_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=200)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 2, out[-3000:]  # was 1: a traceback at iteration 1 (or at the first save)
+    results = run_ranks_by_hand(mc19_python, [str(ROOT / "scripts" / "pretrain_gpt.py"), *args], 2, timeout=200)
+    for returncode, out in results:
+        assert returncode == 2, out[-3000:]  # was 1: a traceback at iteration 1 (or at the first save)
         errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
         assert len(errors) == 1 and errors[0].startswith(expected), out[-3000:]
         assert "Traceback" not in out and "iteration        1/" not in out, out[-3000:]
