@@ -32,15 +32,6 @@ from megatron_vshape.verify import spawn
 
 
 @pytest.fixture
-def split():
-    """The split hook installed for one test; the hook's previous state restored afterwards."""
-    was_enabled = wgrad_split_enabled()
-    enable_wgrad_split()
-    yield
-    (enable_wgrad_split if was_enabled else disable_wgrad_split)()
-
-
-@pytest.fixture
 def no_split():
     """Megatron's own backward for one test; the hook's previous state restored afterwards."""
     was_enabled = wgrad_split_enabled()

@@ -19,19 +19,8 @@ from megatron_vshape.runtime.wgrad import (
     WeightGradStore,
     WgradCounts,
     WgradError,
-    disable_wgrad_split,
-    enable_wgrad_split,
-    wgrad_split_enabled,
 )
 from megatron_vshape.verify import ModelSettings, RunSpec, reference_worker, spawn
-
-
-@pytest.fixture
-def split():
-    was_enabled = wgrad_split_enabled()
-    enable_wgrad_split()
-    yield
-    (enable_wgrad_split if was_enabled else disable_wgrad_split)()
 
 
 def _layer_and_batch():
