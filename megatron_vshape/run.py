@@ -49,12 +49,18 @@ def _shutdown() -> None:
 
     A rank that exits first can otherwise destroy communicator threads a slower peer still uses
     ("terminate called without an active exception", exit -6). Scripts that already did it are fine.
+    The collection afterwards frees finished communication works (and the tensors they hold) while
+    the interpreter is whole: freed later, at interpreter shutdown, a backend thread that needs the
+    GIL for them aborts the process the same way.
     """
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 A stuck pipeline (a schedule bug, a peer that died without closing its sockets, a NCCL hang) shows
 nothing until NCCL's own watchdog fires minutes later, and that says nothing about the schedule.
 The executor keeps a :class:`Progress` record up to date (cheap: a few attribute writes per pass);
-one daemon thread per process looks at it every second. When the record has not moved for
+while an executor call runs, one daemon thread looks at it every second (the thread starts with the call
+and is joined when it returns, so none is left running when the interpreter exits: a daemon thread
+inside a C++ store call at interpreter shutdown aborts the process, "terminate called without an active
+exception"). When the record has not moved for
 ``timeout`` seconds it prints one line: the schedule, the step index and action it is stuck at, what
 it waits for (the oldest posted p2p operation that has not completed: peer, direction, message) and
 the last action it finished. It also raises a flag in the job's rendezvous store: every other rank's
@@ -73,25 +76,27 @@ class ScheduleWatchdog:
         self._store = store  # None: the default process group's store, when there is one
         self._progress: Progress | None = None
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self.fired: str | None = None
 
     @contextmanager
     def watch(self, progress: Progress):
+        """Watch ``progress`` while the block runs; the watching thread lives exactly as long."""
+        stop = threading.Event()
         with self._lock:
             self._progress = progress
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="vshape-watchdog", daemon=True)
-                self._thread.start()
+        thread = threading.Thread(target=self._loop, args=(stop,), name="vshape-watchdog", daemon=True)
+        thread.start()
         try:
             yield progress
         finally:
+            stop.set()
             with self._lock:
                 self._progress = None
+            if self.fired is None:  # a fired watchdog is ending the process; do not wait for its grace
+                thread.join()
 
-    def _loop(self) -> None:
-        while self.fired is None:
-            time.sleep(self._poll)
+    def _loop(self, stop: threading.Event) -> None:
+        while self.fired is None and not stop.wait(self._poll):
             with self._lock:
                 progress = self._progress
                 stalled = progress is not None and time.monotonic() - progress.since > self.timeout

@@ -74,3 +74,22 @@ def test_the_first_rank_to_fire_makes_every_other_rank_report_where_it_is():
     assert "made no progress for 0.3s" in outs[0].getvalue()
     assert "stopped: another rank's watchdog fired" in outs[1].getvalue()
     assert "rank 1 (pipeline rank 1)" in outs[1].getvalue()
+
+
+def watchdog_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "vshape-watchdog"]
+
+
+def test_no_watchdog_thread_outlives_the_call_it_watches():
+    """A daemon thread still alive at interpreter exit, inside a C++ store call, aborts the process
+    ("terminate called without an active exception"); so the thread lives only while a call runs,
+    and ending the call does not wait out the poll interval."""
+    dog = ScheduleWatchdog(30, grace=0.0, poll=60, out=io.StringIO(), abort=lambda code: None)
+    progress = Progress("v-half", rank=0, pp_rank=0)
+    started = time.monotonic()
+    for step in range(5):
+        with dog.watch(progress):
+            assert len(watchdog_threads()) == 1
+            progress.at("pass", step, f"F0.{step}")
+        assert watchdog_threads() == []
+    assert time.monotonic() - started < 30, "leaving a watch waited for the poll interval"
