@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [str(script), *argv[1:]]
     sys.path.insert(0, str(script.resolve().parent))
     runpy.run_path(str(script), run_name="__main__")
-    _shutdown()
+    shutdown_distributed()
 
 
-def _shutdown() -> None:
+def shutdown_distributed() -> None:
     """Leave together and tear the process groups down before the interpreter exits.
 
     A rank that exits first can otherwise destroy communicator threads a slower peer still uses

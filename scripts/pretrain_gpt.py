@@ -196,20 +196,9 @@ def main() -> None:
         pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
         forward_step, model_provider=model_provider, get_embedding_ranks=get_embedding_ranks,
     )
-    _shutdown()
+    from megatron_vshape.run import shutdown_distributed
 
-
-def _shutdown() -> None:
-    """Leave together and tear the process groups down before the interpreter exits.
-
-    Without it, a rank that reaches interpreter exit first can destroy communicator threads that a
-    slower peer still talks to ("terminate called without an active exception", exit -6).
-    """
-    import torch
-
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
