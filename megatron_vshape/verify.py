@@ -185,6 +185,14 @@ class RunSpec:
     distributed_optimizer: bool = False  # check one Adam step of megatron's distributed optimizer
     memory_limit: float | None = None  # for schedules that take one (v-auto)
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL (the reference runs on GPU 0)
+    # Uneven layers per stage (--pipeline-layout): one tuple of counts per stage count; a schedule
+    # uses the one with as many entries as it has stages (2*pp on a V, pp for one chunk per rank)
+    # and runs the uniform split when none matches.
+    layouts: tuple[tuple[int, ...], ...] = ()
+
+    def layout_for(self, num_stages: int) -> tuple[int, ...] | None:
+        """The layer counts a schedule with ``num_stages`` stages runs with (None: uniform)."""
+        return next((tuple(c) for c in self.layouts if len(c) == num_stages), None)
 
     def variants(self) -> list[tuple[str, ModelSettings]]:
         """(result-name suffix, model) pairs this run checks."""
@@ -202,11 +210,13 @@ class RunSpec:
         return "nccl" if self.device == "cuda" else "gloo"
 
 
-def make_config(model: ModelSettings, pp: int, tp: int, vp: int | None, sequence_parallel: bool):
+def make_config(model: ModelSettings, pp: int, tp: int, vp: int | None, sequence_parallel: bool, layout=None):
+    """``layout``: megatron's PipelineParallelLayerLayout for uneven stages (``runtime.layer_layout``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch_dtype(model.dtype)
     return TransformerConfig(
+        pipeline_model_parallel_layout=layout,
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
         ffn_hidden_size=model.ffn_hidden_size,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
@@ -275,8 +285,10 @@ def build_gpt(config, model: ModelSettings, pre_process=True, post_process=True,
     The fused reference of a split run passes it too, so both build the same layers."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    layout = config.pipeline_model_parallel_layout
+    chunk_layers = model.num_layers // num_stages if layout is None else layout.get_num_layers_to_build(vp_stage=vp_stage)
     return GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config, model.num_layers // num_stages, model.spec, split),
+        config=config, transformer_layer_spec=layer_spec(config, chunk_layers, model.spec, split),
         vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=model.tied_embeddings,
@@ -439,10 +451,13 @@ def _run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refer
     from megatron.core import parallel_state
 
     from megatron_vshape.runtime import ActivationMeter, build_forward_backward_func
+    from megatron_vshape.runtime.layer_layout import layout_costs
     from megatron_vshape.schedules import SCHEDULES, Costs, simulate
 
     limit = spec.memory_limit if getattr(SCHEDULES[name], "takes_memory_limit", False) else None
-    fb = build_forward_backward_func(name, memory_limit=limit,
+    counts = spec.layout_for(num_stages(name, spec.pp))
+    costs = Costs() if counts is None else layout_costs(Costs(), counts)
+    fb = build_forward_backward_func(name, costs=costs, memory_limit=limit,
                                      plan_transform=_swap_two_messages if spec.corrupt_plan else None)
     schedule = fb.schedule(spec.pp, spec.microbatches)
     chunks, model = _build_pipeline_model(schedule, spec, model_settings, reference)
@@ -484,6 +499,14 @@ def _run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refer
     }
 
 
+def num_stages(name: str, pp: int) -> int:
+    """Global stages of schedule ``name`` at ``pp`` devices (2 chunks per rank on a V and interleaved)."""
+    from megatron_vshape.schedules import SCHEDULES, PlacementKind
+
+    two = SCHEDULES[name].placement is PlacementKind.V or name == "interleaved-1f1b"
+    return pp * (2 if two else 1)
+
+
 def split_b_passes(program) -> int:
     """B passes of a device program whose W does not come right after (the executor runs a B that
     its W follows directly as one fused backward): each of these must defer weight gradients."""
@@ -512,14 +535,20 @@ def _build_pipeline_model(schedule, spec: RunSpec, model_settings: ModelSettings
     placement = schedule.placement
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
     one_device_chunks = spec.pp == 1 and vp is not None
+    if one_device_chunks and spec.layout_for(placement.num_stages) is not None:
+        raise ValueError("--pipeline-layout: uneven stages need --pp >= 2 (one-device chunks are built uniformly)")
     if one_device_chunks:
         # megatron-core ignores the virtual pipeline when PP is 1 (every chunk would build all the
         # layers, numbered from 1): build each chunk as a one-stage model of its own layers instead.
         chunk_settings = replace(model_settings, num_layers=model_settings.num_layers // placement.num_stages)
         config = make_config(chunk_settings, 1, spec.tp, None, spec.sequence_parallel)
     else:
+        from megatron_vshape.runtime.layer_layout import megatron_layout
+
         chunk_settings = model_settings
-        config = make_config(model_settings, spec.pp, spec.tp, vp, spec.sequence_parallel)
+        counts = spec.layout_for(placement.num_stages)
+        layout = None if counts is None else megatron_layout(counts, placement)
+        config = make_config(model_settings, spec.pp, spec.tp, vp, spec.sequence_parallel, layout)
     config.finalize_model_grads_func = finalize_model_grads
     chunks = build_model_chunks(
         placement, parallel_state.get_pipeline_model_parallel_rank(),
