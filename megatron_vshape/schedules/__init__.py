@@ -4,13 +4,22 @@ from .actions import Action, Kind, parse_action
 from .blocks import BuildingBlock, fill_w, schedule_from_block
 from .comm import DevicePlan, Message, Payload, Step, lower
 from .registry import SCHEDULES, ScheduleSpec, get_schedule, schedule_names
-from .schedule import Costs, MemoryModel, Placement, PlacementKind, Schedule, ScheduleError
+from .schedule import (
+    Costs,
+    MemoryModel,
+    Placement,
+    PlacementKind,
+    Schedule,
+    ScheduleError,
+    StageWork,
+    parse_stage_work,
+)
 from .simulator import DeadlockError, SimulationResult, simulate
 from .validator import InvalidSchedule, validate
 
 __all__ = [
     "Action", "BuildingBlock", "Costs", "DeadlockError", "DevicePlan", "InvalidSchedule", "Kind",
     "MemoryModel", "Message", "Payload", "Placement", "PlacementKind", "SCHEDULES", "Schedule",
-    "ScheduleError", "ScheduleSpec", "SimulationResult", "Step", "fill_w", "get_schedule", "lower",
-    "parse_action", "schedule_from_block", "schedule_names", "simulate", "validate",
+    "ScheduleError", "ScheduleSpec", "SimulationResult", "StageWork", "Step", "fill_w", "get_schedule", "lower",
+    "parse_action", "parse_stage_work", "schedule_from_block", "schedule_names", "simulate", "validate",
 ]

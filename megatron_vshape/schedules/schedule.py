@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import inputs
 from .actions import Action, Kind, parse_action
@@ -70,14 +70,47 @@ class Placement:
         return 2.0 / self.chunks_per_device
 
 
+STAGE_WORK_FIELDS = ("f", "b", "w", "memory")
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """Multipliers of one stage's F, B, W time and activation memory, relative to Costs' base values.
+
+    A stage with the embedding or the LM head and loss does more work (and the head's logits hold
+    more memory) than a stage of plain layers; 1.0 everywhere is the uniform model.
+    """
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    memory: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Zero or negative work breaks every "longer work, later end" argument the generators make.
+        bad = [f"{name}={getattr(self, name)}" for name in STAGE_WORK_FIELDS
+               if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0)]
+        if bad:
+            raise ScheduleError(f"per-stage multipliers must be finite numbers > 0; got {', '.join(bad)}")
+
+    @property
+    def is_unit(self) -> bool:
+        return self.f == self.b == self.w == self.memory == 1.0
+
+
 @dataclass(frozen=True)
 class Costs:
-    """Time of one pass over L/(2d) layers (one V chunk), and of one point-to-point message."""
+    """Time of one pass over L/(2d) layers (one V chunk), and of one point-to-point message.
+
+    ``stages`` (optional) scales each stage's passes and activation memory, indexed by the
+    schedule's global stage index; empty means every stage is alike (the uniform model).
+    """
 
     f: float = 1.0
     b: float = 1.0
     w: float = 1.0
     comm: float = 0.0
+    stages: tuple[StageWork, ...] = ()
 
     def __post_init__(self) -> None:
         # NaN passes every `<= 0` check and hangs the reorder; infinity makes all times equal.
@@ -86,9 +119,48 @@ class Costs:
                if not math.isfinite(getattr(self, name))]
         if bad:
             raise ScheduleError(f"costs must be finite numbers; got {', '.join(bad)}")
+        stages = tuple(self.stages)
+        if not all(isinstance(work, StageWork) for work in stages):
+            raise ScheduleError("Costs.stages must hold StageWork values (one per stage)")
+        object.__setattr__(self, "stages", stages)
 
-    def of(self, kind: Kind) -> float:
-        return self.f if kind is Kind.F else self.b if kind is Kind.B else self.w
+    def of(self, kind: Kind, stage: int | None = None) -> float:
+        """Time of one ``kind`` pass of one V chunk's layers on ``stage`` (base time when uniform)."""
+        base = self.f if kind is Kind.F else self.b if kind is Kind.B else self.w
+        if stage is None or not self.stages:
+            return base
+        work = self.stages[stage]
+        return base * (work.f if kind is Kind.F else work.b if kind is Kind.B else work.w)
+
+    def memory_of(self, stage: int) -> float:
+        """Multiplier of ``stage``'s activation memory per microbatch (1.0 when uniform)."""
+        return self.stages[stage].memory if self.stages else 1.0
+
+    def with_stages(self, stages) -> Costs:
+        """A copy with per-stage work ``stages`` (a sequence of StageWork; empty: uniform)."""
+        return replace(self, stages=tuple(stages))
+
+    @property
+    def uniform(self) -> bool:
+        """True when every stage is alike: the generators then run exactly today's code paths."""
+        return all(work.is_unit for work in self.stages)
+
+    def base(self) -> Costs:
+        """The same base times without per-stage work."""
+        return replace(self, stages=())
+
+    def check_stages(self, num_stages: int, schedule: str = "this schedule") -> None:
+        """Refuse per-stage work whose length is not the schedule's stage count."""
+        if self.stages and len(self.stages) != num_stages:
+            raise ScheduleError(
+                f"per-stage costs give {len(self.stages)} stages but {schedule} has {num_stages} "
+                f"(V: 2 per device; 1F1B/ZB: 1 per device; interleaved: chunks per device); "
+                f"give one value per stage")
+
+    def stage_times(self, num_stages: int) -> list[tuple[float, float, float]]:
+        """(F, B, W) time of one V chunk's layers for each stage."""
+        self.check_stages(num_stages)
+        return [tuple(self.of(kind, stage) for kind in (Kind.F, Kind.B, Kind.W)) for stage in range(num_stages)]
 
     @classmethod
     def parse(cls, text: str) -> Costs:
@@ -106,6 +178,37 @@ class Costs:
             check = inputs.comm_cost if key == "comm" else inputs.cost
             values[key] = check(f"--costs: {key}", raw.strip())
         return cls(**values)
+
+
+def parse_stage_work(text: str, num_stages: int, flag: str = "--stage-costs") -> tuple[StageWork, ...]:
+    """Parse ``"f=1.6,1,1,2.9;b=...;w=...;memory=..."`` into one StageWork per stage.
+
+    Groups are separated by ``;``; each names a key (``f``, ``b``, ``w``, ``memory``, or ``time``
+    for f, b and w together) and gives ``num_stages`` comma-separated multipliers in global stage
+    order (V: stage 2d-1-i lives on device i). A key given once (``time=1.5,1,1,1.5``) sets those
+    fields; omitted keys stay 1. Errors are one line naming ``flag``.
+    """
+    columns: dict[str, list[float]] = {}
+    for group in filter(None, (part.strip() for part in text.split(";"))):
+        key, sep, raw = group.partition("=")
+        key = key.strip().lower()
+        fields = STAGE_WORK_FIELDS[:3] if key == "time" else (key,)
+        if not sep or not set(fields) <= set(STAGE_WORK_FIELDS):
+            raise inputs.InputError(
+                f"{flag}: bad group {group[:40]!r}; use e.g. f=2,1,1,2;memory=1,1,1,3 (keys f, b, w, memory, time)")
+        values = [inputs.cost(f"{flag}: {key}[{i}]", item.strip()) for i, item in enumerate(raw.split(","))]
+        if len(values) != num_stages:
+            raise inputs.InputError(
+                f"{flag}: {key} has {len(values)} values but the schedule has {num_stages} stages; give one per stage")
+        for name in fields:
+            if name in columns:
+                raise inputs.InputError(f"{flag}: {name} is given twice")
+            columns[name] = values
+    if not columns:
+        raise inputs.InputError(f"{flag}: empty; use e.g. f=2,1,1,2;memory=1,1,1,3")
+    return tuple(
+        StageWork(**{name: columns[name][stage] for name in columns}) for stage in range(num_stages)
+    )
 
 
 @dataclass(frozen=True)
@@ -158,13 +261,16 @@ class Schedule:
         return self.placement.device_of(action.stage)
 
     def pass_cost(self, action: Action, costs: Costs) -> float:
-        return costs.of(action.kind) * self.placement.layer_scale
+        return costs.of(action.kind, action.stage) * self.placement.layer_scale
 
-    def activation(self) -> float:
-        """Activation of one F in memory units (one microbatch over L/d layers)."""
-        return self.placement.layer_scale / 2.0
+    def activation(self, stage: int | None = None, costs: Costs | None = None) -> float:
+        """Activation of one F in memory units (one microbatch over L/d layers), times
+        ``costs.memory_of(stage)`` when both are given."""
+        scale = costs.memory_of(stage) if costs is not None and stage is not None else 1.0
+        return self.placement.layer_scale / 2.0 * scale
 
     def work_per_device(self, costs: Costs) -> list[float]:
+        costs.check_stages(self.num_stages, self.name)
         return [sum(self.pass_cost(a, costs) for a in program) for program in self.programs]
 
     def to_text(self) -> str:
