@@ -274,7 +274,7 @@ def _backward_input_only(ctx, grad_output: torch.Tensor, capture: _Capture) -> t
             sequence_parallel=ctx.sequence_parallel,
             tp_group=tp_group,
             fused_main_grad=ctx.main_grad if ctx.gradient_accumulation_fusion else None,
-            autocast=(getattr(ctx, "_fwd_used_autocast", False), getattr(ctx, "_dtype", None)),
+            autocast=(ctx._fwd_used_autocast, ctx._dtype),
         ),
     )
     grad_bias = _grad_bias(grad_output) if ctx.use_bias else None
@@ -292,6 +292,26 @@ def _grad_bias(grad_output: torch.Tensor) -> torch.Tensor:
     return grad_output.sum(dim=0)
 
 
+# What the split reads from the context of Megatron's linear forward (megatron-core 0.16 and 0.19 set
+# these; torch's custom_fwd sets the autocast pair). A field Megatron renames must stop the split with
+# one line, not read as a default and change what B computes. ``gtp_remat_size`` exists from 0.19 on;
+# its absence means no weight rematerialisation.
+CONTEXT_FIELDS = ("allreduce_dgrad", "grad_output_buffer", "gradient_accumulation_fusion", "main_grad",
+                  "sequence_parallel", "tp_group", "use_bias", "_fwd_used_autocast", "_dtype")
+
+
+def check_context(ctx) -> None:
+    """Raise WgradError naming the fields of Megatron's linear context the split needs but cannot find."""
+    missing = [name for name in CONTEXT_FIELDS if not hasattr(ctx, name)]
+    if missing:
+        from .compat import megatron_core_version
+
+        raise WgradError(
+            f"megatron-core {megatron_core_version()}: the linear layer's autograd context has no {', '.join(missing)}; "
+            "the B/W split was written for megatron-core 0.16-0.19 - use a schedule without B/W split "
+            "(1f1b, interleaved-1f1b) on this version")
+
+
 def _check_splittable(ctx, weight) -> None:
     if getattr(ctx, "gtp_remat_size", 1) > 1:
         raise WgradError("split schedules do not support GTP weight rematerialisation (gtp_remat_size > 1)")
@@ -301,7 +321,7 @@ def _check_splittable(ctx, weight) -> None:
 
 def _defers_itself(ctx) -> bool:
     """Megatron's defer_embedding_wgrad_compute already moves this layer's W (to finalize)."""
-    return getattr(ctx, "grad_output_buffer", None) is not None
+    return ctx.grad_output_buffer is not None
 
 
 # --- the patch -------------------------------------------------------------------------------
@@ -324,7 +344,10 @@ def _make_dispatching_backward(megatron_backward: Callable) -> Callable:
 
     def backward(ctx, grad_output):
         capture = _current_capture()
-        if capture is None or _defers_itself(ctx):
+        if capture is None:
+            return megatron_backward(ctx, grad_output)
+        check_context(ctx)
+        if _defers_itself(ctx):
             return megatron_backward(ctx, grad_output)
         return split(ctx, grad_output, capture)
 
