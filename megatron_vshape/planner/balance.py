@@ -1,0 +1,324 @@
+"""Balanced layer layouts: fewer transformer layers where the embedding, LM head and loss already sit.
+
+On the V placement device 0 holds the first stage (embedding) and the last (final norm, LM head,
+loss); with a 128k vocabulary the head alone costs about 2.6 layers. :func:`stage_work` turns a
+layout (transformer layers per global stage) into per-stage cost multipliers from the FLOPs model;
+:func:`choose_layout` picks the layout whose simulated iteration is shortest for one schedule.
+
+Units: a multiplier of 1 is one *uniform stage*, ``L / num_stages`` transformer layers (one V chunk
+on a V placement), separately for F, B, W and the activation memory of one F. With the uniform
+layout and no head the multipliers are all 1, i.e. today's costs.
+
+FLOPs per microbatch of ``t`` tokens (see :mod:`.model`): a layer is F ``24 t h^2 + 4 t s h``,
+B ``24 t h^2 + 8 t s h``, W ``24 t h^2``; the LM head's logits GEMM is F ``2 t h V``, its input
+gradient (B) ``2 t h V`` and its weight gradient (W) ``2 t h V``. The embedding lookup, final
+norm and softmax/cross-entropy are elementwise: no GEMM FLOPs, counted as free. Memory: a layer
+keeps ``activation_bytes``; the last stage also keeps the fp32 logits for the loss's backward.
+
+Search: start from proportional balancing of each device's total work (a V device holds stages i
+and 2d-1-i), then move one layer at a time between stages while the simulated makespan drops.
+Candidates are timed on a fixed order (generation is the slow part); greedy generators, whose
+order depends on the costs, are re-run after each accepted move. The result is never slower than
+the reference layout (uniform, or the paper's "layers + 2" layout when uniform does not divide).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..schedules import SCHEDULES, Costs, Placement, PlacementKind, Schedule, ScheduleError, get_schedule, simulate
+from ..schedules.schedule import StageWork
+from ..schedules.stage_layout import check_layout
+from .model import GPTModel
+
+# An empty first stage holds only the embedding: a gather and a gradient scatter, memory-bound and
+# tiny next to a layer, but the schedule core takes only positive multipliers; this floor (of a
+# uniform stage) stands for it.
+MIN_STAGE_WORK = 1e-3
+REGULAR = frozenset({"gpipe", "1f1b", "interleaved-1f1b", "v-min", "v-half"})  # order independent of costs
+MAX_ROUNDS = 64  # accepted moves; each lowers the makespan, so the loop ends well before on real models
+SHORTLIST = 40  # one-layer moves simulated per round, picked by per-device work (see _shortlist)
+GREEDY_SHORTLIST = 3  # of those, regenerated per round for a greedy (cost-dependent) schedule
+INFINITY = float("inf")
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The chosen layout and what the simulator predicts for it and for the reference layout.
+
+    Times are in the units of the costs given to :func:`choose_layout` (seconds with a cost model,
+    or F of one uniform stage = 1 by default): the pipeline's makespan, no DP sync or optimizer.
+    """
+
+    schedule: str
+    layers_per_stage: tuple[int, ...]
+    iteration_time: float
+    reference_name: str  # "uniform", or "paper" (layers + 2 split) when uniform does not divide
+    reference_layers: tuple[int, ...]
+    reference_time: float
+    peak_memory: float  # max over devices, simulator units (one F of a uniform stage = 1/2 on a V)
+    reference_peak_memory: float
+    evaluated: int  # layouts simulated
+
+    @property
+    def uniform_time(self) -> float:
+        return self.reference_time
+
+    @property
+    def speedup(self) -> float:
+        return self.reference_time / self.iteration_time
+
+
+# ---- per-stage work from FLOPs -----------------------------------------------------------------
+def _layer_flops(model: GPTModel) -> tuple[float, float, float]:
+    return model.layer_flops(1)
+
+
+def _head_flops(model: GPTModel) -> tuple[float, float, float]:
+    head = model.head_flops(1)
+    return head, head, head  # logits GEMM; its input gradient; its weight gradient
+
+
+def stage_work(model: GPTModel, layers_per_stage, flash_attention: bool = False) -> tuple[StageWork, ...]:
+    """Each stage's (F, B, W, memory) relative to a uniform stage of ``L / len(layers_per_stage)`` layers.
+
+    Stage 0 holds the embedding (free), the last stage the final norm, LM head and loss.
+    """
+    layers = tuple(layers_per_stage)
+    num_stages = len(layers)
+    unit = model.layers / num_stages
+    layer = _layer_flops(model)
+    head = _head_flops(model)
+    act = model.activation_bytes(1, 1, flash_attention)
+    logits = model.logits_bytes(1, 1)
+    out = []
+    for stage, count in enumerate(layers):
+        last = stage == num_stages - 1
+        flops = [count * per_layer + (extra if last else 0.0) for per_layer, extra in zip(layer, head)]
+        memory = count * act + (logits if last else 0.0)
+        ratios = [x / (unit * per_layer) for x, per_layer in zip((*flops, memory), (*layer, act))]
+        out.append(StageWork(*(max(r, MIN_STAGE_WORK) for r in ratios)))
+    return tuple(out)
+
+
+def device_work(works, placement: Placement, costs: Costs = Costs()) -> tuple[float, ...]:
+    """Per-device time of one microbatch's F + B + W over all its stages, in ``costs`` units."""
+    return tuple(sum(works[s].f * costs.f + works[s].b * costs.b + works[s].w * costs.w for s in stages)
+                 for stages in placement.stages_per_device)
+
+
+def default_costs(model: GPTModel) -> Costs:
+    """One uniform stage's F = 1, with a layer's B/F and W/F from FLOPs and no communication."""
+    f, b, w = _layer_flops(model)
+    return Costs(1.0, b / f, w / f, 0.0)
+
+
+# ---- reference layouts -------------------------------------------------------------------------
+def paper_layout(num_layers: int, num_stages: int) -> tuple[int, ...] | None:
+    """The paper's split: embedding and head each take a layer's slot (None if L + 2 does not divide)."""
+    if (num_layers + 2) % num_stages or (num_layers + 2) // num_stages < 1:
+        return None
+    per = (num_layers + 2) // num_stages
+    counts = [per] * num_stages
+    counts[0] -= 1
+    counts[-1] -= 1
+    return tuple(counts)
+
+
+def reference_layout(num_layers: int, num_stages: int) -> tuple[str, tuple[int, ...]]:
+    if num_layers % num_stages == 0:
+        return "uniform", (num_layers // num_stages,) * num_stages
+    paper = paper_layout(num_layers, num_stages)
+    if paper is not None:
+        return "paper", paper
+    return "even", _spread(num_layers, num_stages)
+
+
+def _spread(total: int, parts: int) -> tuple[int, ...]:
+    """As even as possible, the remainder on the middle stages (neither holds the embedding or head)."""
+    base, extra = divmod(total, parts)
+    counts = [base] * parts
+    order = sorted(range(parts), key=lambda s: (s in (0, parts - 1), abs(s - (parts - 1) / 2)))
+    for stage in order[:extra]:
+        counts[stage] += 1
+    return tuple(counts)
+
+
+# ---- the proportional start --------------------------------------------------------------------
+def _apportion(total: int, weights: list[float], floors: list[int]) -> list[int]:
+    """Integers >= floors summing to ``total``, proportional to ``weights`` (largest remainder)."""
+    counts = list(floors)
+    left = total - sum(floors)
+    share = [max(w, 0.0) for w in weights]
+    scale = left / sum(share) if sum(share) > 0 else 0.0
+    ideal = [x * scale for x in share] if scale else [left / len(share)] * len(share)
+    base = [int(x) for x in ideal]
+    rest = left - sum(base)
+    order = sorted(range(len(ideal)), key=lambda i: (-(ideal[i] - base[i]), i))
+    for i in order[:rest]:
+        base[i] += 1
+    return [c + b for c, b in zip(counts, base)]
+
+
+def proportional_layout(model: GPTModel, placement: Placement, costs: Costs) -> tuple[int, ...]:
+    """Each device gets layers in proportion to what its stages' head/embedding leave of the mean work;
+    within a device, layers go where they even out the stages' work."""
+    num_stages, per_device = placement.num_stages, placement.stages_per_device
+    probe = stage_work(model, (0,) * num_stages)  # the extras alone (head on the last stage)
+    layer = stage_work(model, (1,) + (0,) * (num_stages - 1))[0]
+    per_layer = layer.f * costs.f + layer.b * costs.b + layer.w * costs.w
+    extras = device_work(probe, placement, costs)
+    mean = (model.layers * per_layer + sum(extras)) / placement.num_devices
+    floors = [sum(1 for s in stages if 0 < s < num_stages - 1) for stages in per_device]
+    weights = [mean - e - per_layer * f for e, f in zip(extras, floors)]
+    device_layers = _apportion(model.layers, weights, floors)
+    counts = [0] * num_stages
+    for stages, n in zip(per_device, device_layers):
+        stage_extra = [probe[s].f * costs.f + probe[s].b * costs.b + probe[s].w * costs.w for s in stages]
+        stage_floor = [1 if 0 < s < num_stages - 1 else 0 for s in stages]
+        top = (sum(stage_extra) + n * per_layer) / len(stages)  # every stage at the same work
+        share = [top - e - per_layer * f for e, f in zip(stage_extra, stage_floor)]
+        for s, c in zip(stages, _apportion(n, share, stage_floor)):
+            counts[s] = c
+    return tuple(counts)
+
+
+# ---- scoring by the simulator ------------------------------------------------------------------
+@dataclass
+class _Scorer:
+    model: GPTModel
+    name: str
+    num_devices: int
+    num_microbatches: int
+    costs: Costs
+    flash_attention: bool
+    memory_limit: float | None
+    placement: Placement
+    evaluated: int = 0
+    regular_orders: dict[int, Schedule] = field(default_factory=dict)
+
+    def costs_for(self, layers) -> Costs:
+        works = stage_work(self.model, layers, self.flash_attention)
+        return self.costs.with_stages(works)
+
+    def build(self, layers, num_microbatches: int | None = None) -> Schedule:
+        """The schedule's order for ``layers``; a regular schedule's order ignores the costs, so
+        it is generated once per size (uniform costs) and shared."""
+        m = num_microbatches or self.num_microbatches
+        limit = {"memory_limit": self.memory_limit} if SCHEDULES[self.name].takes_memory_limit else {}
+        if self.name not in REGULAR:
+            return get_schedule(self.name, self.num_devices, m, self.costs_for(layers), **limit)
+        if m not in self.regular_orders:
+            self.regular_orders[m] = get_schedule(self.name, self.num_devices, m, self.costs, **limit)
+        return self.regular_orders[m]
+
+    def evaluate(self, layers, num_microbatches: int | None = None) -> tuple[float, float]:
+        """Build and time; a layout the generator cannot schedule (e.g. over a memory cap) scores infinity."""
+        try:
+            return self.time(self.build(layers, num_microbatches), layers)
+        except ScheduleError:
+            return INFINITY, INFINITY
+
+    def time(self, schedule: Schedule, layers) -> tuple[float, float]:
+        """(makespan, peak activation memory) of ``schedule``'s order under ``layers``' costs."""
+        self.evaluated += 1
+        result = simulate(schedule, self.costs_for(layers))
+        # End of each device's last pass (the whole timeline's max end, without walking it all).
+        end = max(result.timeline[program[-1]].end for program in schedule.programs if program)
+        return end, max(result.peak_memory)
+
+
+def _moves(layers: tuple[int, ...]):
+    """Every layout one layer away that keeps the middle stages non-empty."""
+    num_stages = len(layers)
+    for src in range(num_stages):
+        if layers[src] == 0 or (layers[src] == 1 and 0 < src < num_stages - 1):
+            continue
+        for dst in range(num_stages):
+            if dst != src:
+                moved = list(layers)
+                moved[src] -= 1
+                moved[dst] += 1
+                yield tuple(moved)
+
+
+def _shortlist(scorer: _Scorer, layouts) -> list[tuple[int, ...]]:
+    """The layouts worth simulating: lowest busiest-device work first, then the most even stages
+    (the fill and drain pass through every stage). Which of equally loaded layouts is fastest
+    depends on where the bottleneck sits, which only the simulator tells, hence a long list."""
+    def key(layers):
+        works = stage_work(scorer.model, layers, scorer.flash_attention)
+        load = device_work(works, scorer.placement, scorer.costs)
+        stage = [x.f + x.b + x.w for x in works]
+        return round(max(load), 9), round(sum(x * x for x in stage), 9), layers
+    return sorted(layouts, key=key)[:SHORTLIST]
+
+
+def _placement(name: str, num_devices: int) -> Placement:
+    spec = SCHEDULES[name]
+    if spec.placement is PlacementKind.V:
+        return Placement.v_shape(num_devices)
+    return Placement.looped(num_devices, 2 if name == "interleaved-1f1b" else 1)
+
+
+def _search_size(name: str, num_devices: int, num_microbatches: int) -> int:
+    """Microbatches the local search simulates: past the warm-up, but capped (generation cost)."""
+    minimum = SCHEDULES[name].min_microbatches(num_devices)
+    size = min(num_microbatches, max(2 * num_devices, 8))
+    if name == "interleaved-1f1b":
+        size -= size % num_devices
+    return max(size, minimum)
+
+
+def choose_layout(model: GPTModel, schedule_name: str, pp: int, num_microbatches: int, costs: Costs | None = None,
+                  memory_limit: float | None = None, flash_attention: bool = False) -> LayoutChoice:
+    """The layout (layers per global stage) with the shortest simulated iteration of ``schedule_name``.
+
+    ``costs``: one uniform stage's F, B, W and a message (default: :func:`default_costs`).
+    ``memory_limit``: v-auto's limit (a fraction of 1F1B's peak), passed to its generator.
+    Raises ScheduleError for unknown schedules or too few microbatches, ValueError (one line) if
+    the model has fewer layers than the schedule has middle stages.
+    """
+    if schedule_name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {schedule_name!r}; choose one of: {', '.join(SCHEDULES)}")
+    placement = _placement(schedule_name, pp)
+    num_stages = placement.num_stages
+    if model.layers < max(num_stages - 2, 1):
+        raise ValueError(f"--pipeline-layout: {model.layers} layers cannot fill the {num_stages - 2} middle stages "
+                         f"of {schedule_name} on {pp} devices; use fewer pipeline devices")
+    scorer = _Scorer(model, schedule_name, pp, num_microbatches, costs or default_costs(model), flash_attention,
+                     memory_limit, placement)
+    reference_name, reference = reference_layout(model.layers, num_stages)
+    start = proportional_layout(model, placement, scorer.costs)
+    best = _local_search(scorer, start, _search_size(schedule_name, pp, num_microbatches))
+    # Final verdict at the real size, each layout with its own generated order.
+    ref_time, ref_peak = scorer.time(scorer.build(reference), reference)  # errors here are the user's
+    best_time, best_peak = scorer.evaluate(best)
+    if best_time >= ref_time:
+        best, best_time, best_peak = reference, ref_time, ref_peak
+    check_layout(best, model.layers, num_stages)
+    return LayoutChoice(schedule_name, best, best_time, reference_name, reference, ref_time, best_peak, ref_peak,
+                        scorer.evaluated)
+
+
+def _local_search(scorer: _Scorer, start: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """Best single-layer moves while the simulated makespan drops (orders: see :meth:`_Scorer.build`)."""
+    regular = scorer.name in REGULAR
+    current = start
+    current_time, _ = scorer.evaluate(current, size)
+    for _ in range(MAX_ROUNDS):
+        shortlist = _shortlist(scorer, _moves(current))
+        if current_time < INFINITY:  # rank on the current layout's order (one generation)
+            order = scorer.build(current, size)
+            scored = sorted((scorer.time(order, layout)[0], layout) for layout in shortlist)
+        else:  # the generator could not schedule the start: try the list as it is
+            scored = [(INFINITY, layout) for layout in shortlist]
+        if not regular:  # a greedy order depends on the costs: regenerate the best few
+            scored = [(scorer.evaluate(layout, size)[0], layout) for _, layout in scored[:GREEDY_SHORTLIST]]
+        if not scored:
+            break
+        candidate_time, candidate = min(scored)
+        if candidate_time >= current_time * (1 - 1e-9):
+            break
+        current, current_time = candidate, candidate_time
+    return current
