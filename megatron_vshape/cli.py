@@ -222,11 +222,8 @@ def _memory_model(args) -> MemoryModel:
 
 def _size(args) -> inputs.Size:
     """The requested size, checked for range and sane total before anything is built."""
-    spec = SCHEDULES.get(args.schedule)
     inputs.count("--chunks", args.chunks, 1, inputs.MAX_CHUNKS)
-    chunks = 2 if spec is not None and spec.placement.value == "v" else 1
-    if args.schedule == "interleaved-1f1b":
-        chunks = args.chunks
+    chunks = SCHEDULES[args.schedule].chunks_per_device(args.chunks)
     return inputs.Size(args.stages, args.microbatches, chunks).check()
 
 
@@ -237,10 +234,9 @@ def _build(args) -> Schedule:
     if args.stages < 2:
         raise UsageError(f"--stages: need at least 2 pipeline devices; got {args.stages}")
     size = _size(args)
-    minimum = SCHEDULES[args.schedule].min_microbatches(args.stages) if args.schedule in SCHEDULES else 1
-    if args.microbatches < minimum:
-        raise UsageError(f"--microbatches: {args.schedule} on {args.stages} devices needs at least {minimum}; "
-                         f"got {args.microbatches}")
+    problem = SCHEDULES[args.schedule].check(args.stages, args.microbatches)
+    if problem:
+        raise UsageError(f"--microbatches: {problem}")
     kwargs = {"costs": _costs(args), "chunks": args.chunks}
     if args.memory_limit is not None:
         kwargs["memory_limit"] = inputs.real("--memory-limit", args.memory_limit, 0.0, 1.0, low_open=True)

@@ -430,9 +430,9 @@ def _device():
 
 def uses_split_spec(spec: RunSpec) -> bool:
     """Whether the run's models are built for split schedules (matters for ``--spec te`` only)."""
-    from megatron_vshape.schedules import SCHEDULES
+    from megatron_vshape.schedules import fuses_backward
 
-    splits = {SCHEDULES[name].splits_backward for name in spec.schedules}
+    splits = {not fuses_backward(name) for name in spec.schedules}
     if len(splits) > 1 and spec.model.spec == "te":
         raise ValueError("--spec te: split and fused schedules build different layers; check them in separate runs")
     return splits == {True}
@@ -488,7 +488,7 @@ def _run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refer
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     return {
         "wgrad_deferred": getattr(counts, "deferred", 0), "wgrad_run": getattr(counts, "run", 0),
-        "splits_backward": SCHEDULES[name].splits_backward,
+        "splits_backward": not schedule.fused_backward,
         "split_b_passes": split_b_passes(schedule.programs[pp_rank]),
         "max_grad_rel_err": grad_err, "worst_param": worst,
         "max_loss_abs_err": _loss_err(store, reference), "num_losses": len(store),
@@ -501,10 +501,9 @@ def _run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refer
 
 def num_stages(name: str, pp: int) -> int:
     """Global stages of schedule ``name`` at ``pp`` devices (2 chunks per rank on a V and interleaved)."""
-    from megatron_vshape.schedules import SCHEDULES, PlacementKind
+    from megatron_vshape.schedules import SCHEDULES
 
-    two = SCHEDULES[name].placement is PlacementKind.V or name == "interleaved-1f1b"
-    return pp * (2 if two else 1)
+    return pp * SCHEDULES[name].chunks_per_device()
 
 
 def split_b_passes(program) -> int:
@@ -740,7 +739,7 @@ def _check_numbers(args) -> None:
 
 
 def _check_args(args) -> None:
-    from megatron_vshape.schedules import SCHEDULES, get_schedule
+    from megatron_vshape.schedules import SCHEDULES, fuses_backward, get_schedule
 
     _check_numbers(args)
     if args.schedule not in SCHEDULES:
@@ -748,7 +747,7 @@ def _check_args(args) -> None:
     for flag in ("pp", "tp", "dp", "microbatches"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be >= 1")
-    stages = args.pp * (2 if SCHEDULES[args.schedule].placement.value == "v" or args.schedule == "interleaved-1f1b" else 1)
+    stages = num_stages(args.schedule, args.pp)
     if args.layers % stages:
         raise SystemExit(f"--layers {args.layers} must divide into {stages} stages for {args.schedule} at --pp {args.pp}")
     if args.sequence_parallel and args.tp == 1:
@@ -761,7 +760,7 @@ def _check_args(args) -> None:
         raise SystemExit("--spec te needs Transformer Engine's CUDA kernels; add --device cuda or use --spec local")
     if args.distributed_optimizer and args.dtype != "fp32":
         raise SystemExit("--distributed-optimizer checks an fp32 Adam step; drop it or use --dtype fp32")
-    if args.overlap_grad_reduce and SCHEDULES[args.schedule].splits_backward:
+    if args.overlap_grad_reduce and not fuses_backward(args.schedule):
         raise SystemExit(f"--overlap-grad-reduce is not supported with split-backward schedule {args.schedule}; drop it")
     try:
         extra = {} if args.memory_limit is None else {"memory_limit": args.memory_limit}

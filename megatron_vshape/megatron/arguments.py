@@ -30,14 +30,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 
-from ..schedules import SCHEDULES, PlacementKind
+from ..schedules import SCHEDULES, PlacementKind, fuses_backward
 
 # Schedules that keep Megatron's own forward_backward functions (install() does not replace them).
 MEGATRON_OWN_SCHEDULES = ("1f1b", "interleaved-1f1b")
-# The adaptive V schedule: its generator lives outside the registry until it lands there.
+# The adaptive V schedule, the one that takes --pipeline-memory-limit.
 AUTO_SCHEDULE = "v-auto"
-SCHEDULE_CHOICES = tuple(dict.fromkeys([*SCHEDULES, AUTO_SCHEDULE]))
-V_SCHEDULE_NAMES = tuple(n for n, s in SCHEDULES.items() if s.placement is PlacementKind.V) + (AUTO_SCHEDULE,)
+SCHEDULE_CHOICES = tuple(SCHEDULES)
+V_SCHEDULE_NAMES = tuple(n for n, s in SCHEDULES.items() if s.placement is PlacementKind.V)
 # Megatron's --spec for split schedules on Transformer Engine (see megatron_vshape.megatron.layer_spec).
 SPLIT_SPEC_ARG = ["megatron_vshape.megatron.layer_spec", "gpt_split_layer_spec"]
 
@@ -68,8 +68,7 @@ def _help_schedules() -> str:
     lines = []
     for name in SCHEDULE_CHOICES:
         engine = "Megatron's own function" if name in MEGATRON_OWN_SCHEDULES else "megatron-vshape executor"
-        desc = SCHEDULES[name].description if name in SCHEDULES else "adaptive V schedule under --pipeline-memory-limit"
-        lines.append(f"{name} ({desc}; runs on {engine})")
+        lines.append(f"{name} ({SCHEDULES[name].description}; runs on {engine})")
     return "; ".join(lines)
 
 
@@ -227,7 +226,7 @@ def _schedule(args) -> str | None:
 def _splits_backward(name: str | None) -> bool:
     if name is None or name in MEGATRON_OWN_SCHEDULES:
         return False
-    return name == AUTO_SCHEDULE or SCHEDULES[name].splits_backward
+    return not fuses_backward(name)
 
 
 def check_known_schedule(args, sizes) -> str | None:
@@ -337,15 +336,12 @@ def check_microbatches(args, sizes) -> str | None:
         mbs = _get(args, "micro_batch_size", 1)
         return (f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x "
                 f"data-parallel size = {mbs} x {sizes.dp}; change either")
-    m, mbs = sizes.num_microbatches, _get(args, "micro_batch_size", 1)
-    minimum = SCHEDULES[name].min_microbatches(sizes.pp) if name in SCHEDULES else 1
-    if m < minimum:
-        return (f"--global-batch-size gives {m} microbatches, but {name} at PP={sizes.pp} "
-                f"needs >= {minimum}; use --global-batch-size >= {minimum * mbs * sizes.dp}")
-    if name == "interleaved-1f1b" and 0 < m % sizes.pp < sizes.pp and m > sizes.pp:
-        # Megatron's interleaved schedule groups microbatches by PP; a short last group is rejected.
-        return (f"--global-batch-size gives {m} microbatches; Megatron's interleaved-1f1b needs a multiple of "
-                f"PP={sizes.pp}; use --global-batch-size {m // sizes.pp * sizes.pp * mbs * sizes.dp}")
+    m, mbs, spec = sizes.num_microbatches, _get(args, "micro_batch_size", 1), SCHEDULES[name]
+    problem = spec.check(sizes.pp, m)  # the schedule's own size rule (PP = its devices)
+    if problem:
+        fit = spec.nearest_microbatches(sizes.pp, m)
+        return (f"--global-batch-size gives {m} microbatches at PP={sizes.pp}: {problem}; "
+                f"use --global-batch-size {fit * mbs * sizes.dp} ({fit} microbatches)")
     return None
 
 
@@ -488,13 +484,6 @@ def watchdog_seconds(args) -> float:
     return seconds
 
 
-def check_auto_available(args, sizes) -> str | None:
-    if _schedule(args) == AUTO_SCHEDULE and AUTO_SCHEDULE not in SCHEDULES:
-        return (f"--pipeline-schedule {AUTO_SCHEDULE} is not registered in this build (no adaptive generator in "
-                "megatron_vshape.schedules); use v-half or v-min for now")
-    return None
-
-
 def check_save_writable(args, sizes) -> str | None:
     """Refuse an unwritable --save now, not at the first save after hours of training.
 
@@ -563,7 +552,7 @@ def check_schedule_builds(args, sizes) -> str | None:
 CHECKS: tuple[Check, ...] = (
     check_pipeline_size, check_world_size, check_memory_limit, check_v_layers,
     check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
-    check_cpu_features, check_split_conflicts, check_te_split, check_auto_available, check_pipeline_costs,
+    check_cpu_features, check_split_conflicts, check_te_split, check_pipeline_costs,
     check_watchdog, check_save_writable,
 )
 # Run only when CHECKS found nothing: building the schedule can take seconds at large sizes.

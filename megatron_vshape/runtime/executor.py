@@ -339,7 +339,7 @@ class _Iteration:
             plan = executor._plan_transform(plan)
         self.plan = _forward_only_plan(plan) if forward_only else plan
         self.program = executor.exchange_program(num_devices, num_microbatches, forward_only, self.rank)
-        self.deferred = set() if forward_only else _deferred_backwards(executor.schedule_name, self.plan)
+        self.deferred = set() if forward_only else _deferred_backwards(self.schedule, self.plan)
         if self.deferred:
             executor._wgrad.check_models(models, executor.schedule_name)
         shape = [seq_length // self.cp_size, micro_batch_size, self.config.hidden_size]
@@ -584,10 +584,9 @@ class _GradSyncControl:
         return False
 
 
-def _deferred_backwards(schedule_name: str, plan: DevicePlan) -> set[Action]:
+def _deferred_backwards(schedule: Schedule, plan: DevicePlan) -> set[Action]:
     """B actions whose W runs later (so B must leave the weight gradients to the store)."""
-    spec = SCHEDULES.get(schedule_name)
-    if spec is not None and not spec.splits_backward:
+    if schedule.fused_backward:
         return set()
     actions = [s.action for s in plan.steps]
     deferred = set()

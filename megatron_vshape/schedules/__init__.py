@@ -3,7 +3,7 @@
 from .actions import Action, Kind, parse_action
 from .blocks import BuildingBlock, fill_w, schedule_from_block
 from .comm import DevicePlan, Message, Payload, Step, lower
-from .registry import SCHEDULES, ScheduleSpec, get_schedule, schedule_names
+from .registry import SCHEDULES, ScheduleSpec, fuses_backward, get_schedule, get_spec, schedule_names
 from .schedule import (
     Costs,
     MemoryModel,
@@ -20,6 +20,7 @@ from .validator import InvalidSchedule, validate
 __all__ = [
     "Action", "BuildingBlock", "Costs", "DeadlockError", "DevicePlan", "InvalidSchedule", "Kind",
     "MemoryModel", "Message", "Payload", "Placement", "PlacementKind", "SCHEDULES", "Schedule",
-    "ScheduleError", "ScheduleSpec", "SimulationResult", "StageWork", "Step", "fill_w", "get_schedule", "lower",
+    "ScheduleError", "ScheduleSpec", "SimulationResult", "StageWork", "Step", "fill_w", "fuses_backward",
+    "get_schedule", "get_spec", "lower",
     "parse_action", "parse_stage_work", "schedule_from_block", "schedule_names", "simulate", "validate",
 ]

@@ -21,7 +21,7 @@ can only fall as the limit rises: every candidate that fits a lower limit fits a
 Enumerating blocks is cheap; evaluating one means repeat, squeeze and reorder. Blocks are
 therefore screened (``_screened_blocks``) and only a few per memory level are evaluated.
 
-Up to ``_PROXY_CELLS`` (devices x microbatches) the search is exact: every candidate is built at
+Up to ``_EXACT_SEARCH_MAX_CELLS`` (devices x microbatches) the search is exact: every candidate is built at
 the requested size and its measured peak and bubble decide. Above it, building the whole family
 (or even ranking it on shorter runs) takes minutes at d=64, so the candidates are the fixed
 schedules only (V-Min, V-Half, V-ZB, and the low greedy cap for limits below V-Min's memory), a
@@ -41,6 +41,7 @@ from functools import lru_cache
 
 from .actions import Kind
 from .blocks import BuildingBlock, fill_w, schedule_from_block
+from .inputs import EPS as _EPS
 from .schedule import Costs, Placement, Schedule, ScheduleError
 from .simulator import simulate
 from .v_schedules import V_INTERVAL, v_half_block, v_min_block
@@ -60,10 +61,9 @@ _PER_LEVEL = 2  # blocks per memory level that go to stage 2 of the screen
 # level's: the reorder gains more where memory is spare (d=16: up to 0.025), so a strict Pareto
 # cut would drop levels that end up best; 0.02 keeps twice the blocks for little more gain.
 _STAGE2_SLACK = 0.01
-_PROXY_CELLS = 1024  # above d*m, only the fixed schedules compete (see the module docstring)
+_EXACT_SEARCH_MAX_CELLS = 1024  # above d*m, only the fixed schedules compete (see the module docstring)
 _PROXY_EVALUATED = 2  # ... and only this many of them, those with the most memory that fit, are built
-_FIXED_CANDIDATES = 3  # V-Min, V-Half, V-ZB: the first candidates above _PROXY_CELLS
-_EPS = 1e-9
+_FIXED_CANDIDATES = 3  # V-Min, V-Half, V-ZB: the first candidates above _EXACT_SEARCH_MAX_CELLS
 
 
 # ---------------------------------------------------------------- building blocks
@@ -266,7 +266,7 @@ class Evaluated:
     """A candidate's peak memory (units, worst device) and bubble rate under the costs.
 
     Always measured on the schedule at the requested size (kept in ``schedule``). ``exact``:
-    the candidate came from the full search (``_PROXY_CELLS``), not the fixed-schedule shortlist.
+    the candidate came from the full search (``_EXACT_SEARCH_MAX_CELLS``), not the fixed-schedule shortlist.
     """
 
     candidate: Candidate
@@ -319,8 +319,8 @@ def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> l
 
 
 def _is_exact(num_devices: int, num_microbatches: int) -> bool:
-    """Full search up to ``_PROXY_CELLS`` cells, the fixed schedules only above."""
-    return num_devices * num_microbatches <= _PROXY_CELLS
+    """Full search up to ``_EXACT_SEARCH_MAX_CELLS`` cells, the fixed schedules only above."""
+    return num_devices * num_microbatches <= _EXACT_SEARCH_MAX_CELLS
 
 
 @lru_cache(maxsize=64)

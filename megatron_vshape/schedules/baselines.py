@@ -46,20 +46,13 @@ def _one_f_one_b_order(forwards: list[Action], backwards: list[list[Action]], wa
 
 
 def interleaved_one_f_one_b(num_devices: int, num_microbatches: int, chunks: int = 2) -> Schedule:
-    """Megatron's virtual-pipeline order (microbatches in groups of ``num_devices`` per chunk)."""
+    """Megatron's virtual-pipeline order (microbatches in groups of ``num_devices`` per chunk).
+
+    Only for whole groups (``num_microbatches`` a multiple of ``num_devices``): the registry's
+    check for interleaved-1f1b states that rule and ``get_schedule`` enforces it.
+    """
     if chunks < 2:
         raise ScheduleError("interleaved-1f1b: --chunks must be >= 2 (use 1f1b for one chunk)")
-    if num_microbatches < num_devices:
-        raise ScheduleError(
-            f"interleaved-1f1b needs at least {num_devices} microbatches (one per pipeline stage); "
-            f"got {num_microbatches}"
-        )
-    if num_microbatches % num_devices:
-        # Megatron's own rule (a last microbatch group smaller than the pipeline deadlocks its order).
-        raise ScheduleError(
-            f"interleaved-1f1b with {num_devices} devices needs a multiple of {num_devices} microbatches; "
-            f"got {num_microbatches}"
-        )
     group = num_devices
     table = [
         (mb, chunk)

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from .actions import Action, Kind
 from .dependencies import dependencies
+from .inputs import EPS as _EPS
 from .schedule import Costs, Placement, Schedule, ScheduleError
-
-_EPS = 1e-9
 
 
 class Admission(enum.Enum):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 # A pass time (f, b, w) and a message time (comm), in any unit: the generators compare times with
 # an absolute tolerance of 1e-9, so times must stay well above it and sums of millions of them
 # must stay exact enough to compare; six decades either side of 1 cover ms, s and us.
+EPS = 1e-9  # that tolerance (times, and memory units against caps), for every generator
 MIN_COST = 1e-6
 MAX_COST = 1e6
 # Sizes. One pass takes about 0.5 KB and 50-300 us to generate, validate and simulate (measured

@@ -1,12 +1,59 @@
-"""Schedules by name: the one place that knows every generator and its limits."""
+"""Schedules by name: the one place that knows every generator and its size rules.
+
+Every entry has the same contract (:class:`ScheduleSpec`):
+
+* ``check(d, m)``: what is wrong with ``d`` pipeline devices and ``m`` microbatches, in one line,
+  or None. It is the only statement of a schedule's size rules; the CLI, ``vshape verify``, the
+  training-flag checks and the Slurm generator all ask it.
+* ``build(d, m, costs, memory_limit=None)``: the schedule, or :class:`ScheduleError` with
+  ``check``'s line. Whether the backward is split into B and W is read from the built schedule
+  (``Schedule.fused_backward``; :func:`fuses_backward` for a name).
+
+A new schedule is one ``ScheduleSpec`` below, with a generator taking a :class:`Request`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 from . import adaptive, baselines, v_schedules, zero_bubble
 from .schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
+
+# Largest microbatch count searched for one that passes a check (inputs.MAX caps the CLI at 65536).
+_MICROBATCH_SEARCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a generator is asked to build: the same fields for every entry (each uses what it needs)."""
+
+    num_devices: int
+    num_microbatches: int
+    costs: Costs
+    memory_limit: float | None = None  # x 1F1B's peak; only entries with takes_memory_limit accept one
+    chunks: int = 2  # model chunks per device, for interleaved-1f1b
+    memory: MemoryModel = MemoryModel()  # the activation model the zero-bubble memory caps use
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    """A rule on (devices, microbatches) beyond d >= 1 and m >= 1, in words and as a check."""
+
+    text: str  # for `vshape list`
+    problem: Callable[[str, int, int], str | None]  # (name, d, m) -> one line, or None
+
+
+def _whole_microbatch_groups(name: str, d: int, m: int) -> str | None:
+    # Megatron's interleaved order runs microbatches in groups of d per chunk; a short last group
+    # deadlocks it (in our p2p lowering too, e.g. d = 5, m = 7), so Megatron refuses it.
+    if m < d or m % d:
+        return f"{name} with {d} devices needs a multiple of {d} microbatches (Megatron's rule); got {m}"
+    return None
+
+
+WHOLE_GROUPS = SizeRule("m a multiple of d (Megatron's rule)", _whole_microbatch_groups)
 
 
 @dataclass(frozen=True)
@@ -14,45 +61,83 @@ class ScheduleSpec:
     name: str
     placement: PlacementKind
     description: str
-    build: Callable[..., Schedule]  # (num_devices, num_microbatches, costs, chunks) -> Schedule
-    min_microbatches: Callable[[int], int] = lambda num_devices: 1
-    microbatch_rule: str = "m >= 1"  # human-readable form of the size rule, for `vshape list`
+    generate: Callable[[Request], Schedule]  # called only with sizes check() accepts
+    size_rule: SizeRule | None = None
     takes_memory_limit: bool = False  # build() accepts memory_limit (a fraction of 1F1B's peak)
-    takes_memory_model: bool = False  # build() accepts memory= (caps the schedule under that MemoryModel)
-    splits_backward: bool = True  # False: every W directly follows its B (plain backward)
+    takes_chunks: bool = False  # build() honours chunks (model chunks per device on the looped placement)
+
+    def chunks_per_device(self, chunks: int = 2) -> int:
+        """Model chunks each device holds: 2 on the V, ``chunks`` where the schedule takes them, else 1."""
+        if self.placement is PlacementKind.V:
+            return 2
+        return chunks if self.takes_chunks else 1
+
+    @property
+    def microbatch_rule(self) -> str:
+        """The size rule in words, for `vshape list`."""
+        return self.size_rule.text if self.size_rule else "m >= 1"
+
+    def check(self, num_devices: int, num_microbatches: int) -> str | None:
+        """What is wrong with these sizes (one line naming the fix), or None when ``build`` accepts them."""
+        if num_devices < 1:
+            # One device is allowed: both V chunks (or the one looped stage) on it, which is how the
+            # B/W split is checked on a single GPU.
+            return f"{self.name} needs at least 1 pipeline device; got {num_devices}"
+        if num_microbatches < 1:
+            return f"{self.name} needs at least 1 microbatch; got {num_microbatches}"
+        return self.size_rule.problem(self.name, num_devices, num_microbatches) if self.size_rule else None
+
+    def build(self, num_devices: int, num_microbatches: int, costs: Costs = Costs(),
+              memory_limit: float | None = None, *, chunks: int = 2, memory: MemoryModel | None = None) -> Schedule:
+        """The schedule; :class:`ScheduleError` with a one-line fix for sizes or a limit it cannot take."""
+        problem = self.check(num_devices, num_microbatches)
+        if problem:
+            raise ScheduleError(problem)
+        if memory_limit is not None and not self.takes_memory_limit:
+            raise ScheduleError(f"--memory-limit only applies to v-auto; {self.name} has a fixed memory footprint")
+        costs.check_stages(num_devices * self.chunks_per_device(chunks), f"{self.name} on {num_devices} devices")
+        return self.generate(Request(num_devices, num_microbatches, costs, memory_limit, chunks,
+                                     memory if memory is not None else MemoryModel()))
+
+    def min_microbatches(self, num_devices: int) -> int:
+        """The fewest microbatches ``check`` accepts on ``num_devices`` (derived from it, never restated)."""
+        return self.nearest_microbatches(num_devices, 1)
+
+    def nearest_microbatches(self, num_devices: int, num_microbatches: int) -> int:
+        """The largest count ``check`` accepts at or below ``num_microbatches``, else the smallest above
+        (what to suggest to a user whose batch does not fit). ScheduleError when there is none."""
+        for m in (*range(num_microbatches, 0, -1), *range(num_microbatches + 1, _MICROBATCH_SEARCH + 1)):
+            if self.check(num_devices, m) is None:
+                return m
+        raise ScheduleError(self.check(num_devices, num_microbatches) or f"{self.name}: no microbatch count fits")
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
         ScheduleSpec("gpipe", PlacementKind.LOOPED, "all forwards, then all backwards",
-                     lambda d, m, c, v: baselines.gpipe(d, m), splits_backward=False),
+                     lambda r: baselines.gpipe(r.num_devices, r.num_microbatches)),
         ScheduleSpec("1f1b", PlacementKind.LOOPED, "one-forward-one-backward (Megatron's default)",
-                     lambda d, m, c, v: baselines.one_f_one_b(d, m), splits_backward=False),
+                     lambda r: baselines.one_f_one_b(r.num_devices, r.num_microbatches)),
         ScheduleSpec("interleaved-1f1b", PlacementKind.LOOPED,
                      "Megatron's virtual pipeline, --chunks model chunks per device",
-                     lambda d, m, c, v: baselines.interleaved_one_f_one_b(d, m, v),
-                     min_microbatches=lambda d: d, splits_backward=False,
-                     microbatch_rule="m a multiple of d (Megatron's rule)"),
+                     lambda r: baselines.interleaved_one_f_one_b(r.num_devices, r.num_microbatches, r.chunks),
+                     size_rule=WHOLE_GROUPS, takes_chunks=True),
         ScheduleSpec("zb-h1", PlacementKind.LOOPED, "zero bubble, 1F1B's memory, 1F1B's in-flight count",
-                     lambda d, m, c, v, memory=MemoryModel(): zero_bubble.zb_h1(d, m, c, memory),
-                     takes_memory_model=True),
+                     lambda r: zero_bubble.zb_h1(r.num_devices, r.num_microbatches, r.costs, r.memory)),
         ScheduleSpec("zb-1p", PlacementKind.LOOPED, "zero bubble, memory capped at 1F1B's peak",
-                     lambda d, m, c, v, memory=MemoryModel(): zero_bubble.zb_p(d, m, c, 1, memory),
-                     takes_memory_model=True),
+                     lambda r: zero_bubble.zb_p(r.num_devices, r.num_microbatches, r.costs, 1, r.memory)),
         ScheduleSpec("zb-2p", PlacementKind.LOOPED, "zero bubble, memory capped at 2x 1F1B's peak",
-                     lambda d, m, c, v, memory=MemoryModel(): zero_bubble.zb_p(d, m, c, 2, memory),
-                     takes_memory_model=True),
+                     lambda r: zero_bubble.zb_p(r.num_devices, r.num_microbatches, r.costs, 2, r.memory)),
         ScheduleSpec("v-min", PlacementKind.V, "V placement, about 1/3 of 1F1B's activation memory",
-                     lambda d, m, c, v: v_schedules.v_min(d, m, c)),
+                     lambda r: v_schedules.v_min(r.num_devices, r.num_microbatches, r.costs)),
         ScheduleSpec("v-half", PlacementKind.V, "V placement, about 1/2 of 1F1B's activation memory",
-                     lambda d, m, c, v: v_schedules.v_half(d, m, c)),
+                     lambda r: v_schedules.v_half(r.num_devices, r.num_microbatches, r.costs)),
         ScheduleSpec("v-zb", PlacementKind.V, "V placement, 1F1B's memory, near-zero bubble",
-                     lambda d, m, c, v, memory=MemoryModel(): zero_bubble.v_zb(d, m, c, memory),
-                     takes_memory_model=True),
+                     lambda r: zero_bubble.v_zb(r.num_devices, r.num_microbatches, r.costs, r.memory)),
         ScheduleSpec("v-auto", PlacementKind.V,
                      "V placement, lowest bubble within --memory-limit X (x 1F1B's peak; default 1)",
-                     lambda d, m, c, v, limit=None: adaptive.v_auto(d, m, c, limit),
+                     lambda r: adaptive.v_auto(r.num_devices, r.num_microbatches, r.costs, r.memory_limit),
                      takes_memory_limit=True),
     )
 }
@@ -60,6 +145,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 
 def schedule_names() -> list[str]:
     return list(SCHEDULES)
+
+
+def get_spec(name: str) -> ScheduleSpec:
+    """The registry entry of ``name``; ScheduleError naming the choices for an unknown one."""
+    spec = SCHEDULES.get(name)
+    if spec is None:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+    return spec
 
 
 def get_schedule(
@@ -79,22 +172,15 @@ def get_schedule(
 
     Raises :class:`ScheduleError` with a one-line fix for unknown names and bad sizes.
     """
-    spec = SCHEDULES.get(name)
-    if spec is None:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
-    if num_devices < 1:
-        # One device is allowed: both V chunks (or the one looped stage) on it, which is how the
-        # B/W split is checked on a single GPU.
-        raise ScheduleError(f"{name} needs at least 1 pipeline device; got {num_devices}")
-    minimum = spec.min_microbatches(num_devices)
-    if num_microbatches < minimum:
-        raise ScheduleError(
-            f"{name} with {num_devices} devices needs at least {minimum} microbatches; got {num_microbatches}"
-        )
-    if memory_limit is not None and not spec.takes_memory_limit:
-        raise ScheduleError(f"--memory-limit only applies to v-auto; {name} has a fixed memory footprint")
-    if spec.takes_memory_limit:
-        return spec.build(num_devices, num_microbatches, costs, chunks, memory_limit)
-    if spec.takes_memory_model and memory is not None:
-        return spec.build(num_devices, num_microbatches, costs, chunks, memory=memory)
-    return spec.build(num_devices, num_microbatches, costs, chunks)
+    return get_spec(name).build(num_devices, num_microbatches, costs, memory_limit, chunks=chunks, memory=memory)
+
+
+@cache
+def fuses_backward(name: str) -> bool:
+    """Whether schedule ``name`` runs every W right after its B (a plain, unsplit backward).
+
+    Read from the schedule itself, built at the smallest size its check accepts: the generator,
+    not the size, decides it (tested over a grid in tests/test_registry_contract.py).
+    """
+    spec = get_spec(name)
+    return spec.build(1, spec.min_microbatches(1)).fused_backward

@@ -13,9 +13,8 @@ import heapq
 
 from .actions import Action, Kind
 from .dependencies import dependencies
+from .inputs import EPS as _EPS
 from .schedule import Costs, Schedule
-
-_EPS = 1e-9
 
 
 def fill_idle(

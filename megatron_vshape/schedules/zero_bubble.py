@@ -26,7 +26,7 @@ _KIND_RANK_F_FIRST = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
 
 # Above this many (device x microbatch) cells, variants are compared on a shorter run (the
 # steady state decides the winner) and only the winner is built at full size.
-_PROXY_CELLS = 2048
+_FULL_SIZE_RANKING_MAX_CELLS = 2048
 
 
 def _b_first_deep(a):
@@ -120,7 +120,7 @@ def best_of(name: str, candidates: Sequence[Candidate], num_devices: int, num_mi
     microbatches per device: the steady state decides the winner there too) and build only the
     best at full size; a winner that fails at full size hands over to the next.
     """
-    if num_devices * num_microbatches <= _PROXY_CELLS:
+    if num_devices * num_microbatches <= _FULL_SIZE_RANKING_MAX_CELLS:
         ranked = _rank(candidates, num_devices, num_microbatches, costs)
         if not ranked:
             raise ScheduleError(f"{name}: no variant fits the memory caps")

@@ -42,8 +42,9 @@ def test_forward_only_plan_keeps_forwards_and_activations():
 
 
 def test_fused_schedules_never_defer_and_split_ones_do():
-    assert _deferred_backwards("1f1b", lower(get_schedule("1f1b", 4, 8))[0]) == set()
-    deferred = _deferred_backwards("v-zb", lower(get_schedule("v-zb", 4, 8))[0])
+    one_f_one_b, v_zb = get_schedule("1f1b", 4, 8), get_schedule("v-zb", 4, 8)
+    assert _deferred_backwards(one_f_one_b, lower(one_f_one_b)[0]) == set()
+    deferred = _deferred_backwards(v_zb, lower(v_zb)[0])
     assert deferred and all(action.kind is Kind.B for action in deferred)
 
 
