@@ -1,4 +1,4 @@
-"""Every Megatron attribute megatron-vshape replaces, with the signature its wrapper expects.
+"""Every Megatron attribute megatron-vshape replaces or calls by keyword, with the signature it expects.
 
 The wrappers live next to the code that needs them (``install.py``, ``cpu_mode.py``,
 ``training_cpu.py``, ``runtime/wgrad.py``); this table is what they assume about Megatron. :func:`check`
@@ -47,6 +47,10 @@ class Patch:
 _FBF = ("pp_size", "vp_size")  # megatron-core 0.19 appends schedule_pg_collection; the wrapper passes all through
 _LINEAR = "LinearWithGradAccumulationAndAsyncCommunication.backward"
 _RANDOM = "megatron.core.tensor_parallel.random"
+_FORWARD_STEP = ("forward_step_func", "data_iterator", "model", "num_microbatches", "input_tensor",
+                 "forward_data_store", "config", "cp_group_size", "collect_non_loss_data",
+                 "checkpoint_activations_microbatch", "is_first_microbatch", "current_microbatch", "vp_stage",
+                 "is_last_stage")
 
 PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.pipeline_parallel", "get_forward_backward_func", _FBF, Group.GPU, Match.LEADING),
@@ -60,6 +64,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.parallel_state", "is_pipeline_first_stage", ("ignore_virtual", "vp_stage"), Group.GPU),
     Patch("megatron.core.parallel_state", "is_pipeline_last_stage", ("ignore_virtual", "vp_stage"), Group.GPU),
     Patch("megatron.core.tensor_parallel.layers", _LINEAR, ("ctx", "grad_output"), Group.WGRAD),
+    # Not replaced, but called by keyword from runtime/compat.py: a rename must stop start-up.
+    Patch("megatron.core.pipeline_parallel.schedules", "forward_step", _FORWARD_STEP, Group.WGRAD),
+    Patch("megatron.core.pipeline_parallel.schedules", "backward_step",
+          ("input_tensor", "output_tensor", "output_tensor_grad", "config"), Group.WGRAD, Match.CONTAINS),
     Patch(_RANDOM, "CudaRNGStatesTracker", None, Group.CPU),
     Patch(_RANDOM, "_MODEL_PARALLEL_RNG_TRACKER_NAME", None, Group.CPU),
     Patch(_RANDOM, "_get_cuda_rng_state", None, Group.CPU),

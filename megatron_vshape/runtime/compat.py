@@ -25,21 +25,17 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
 
 
 def forward_step(**kwargs):
-    """megatron's forward_step, passing only the keyword arguments this version knows."""
-    return mschedules.forward_step(**_accepted(mschedules.forward_step, kwargs))
+    """megatron's forward_step, called by keyword (the same parameters in 0.16 and 0.19).
+
+    Nothing is filtered: a parameter Megatron renames fails the call (and, on the training path,
+    start-up: megatron/patches.py lists the signature), instead of being dropped silently.
+    """
+    return mschedules.forward_step(**kwargs)
 
 
 def call_finalize(func, model, num_tokens, pg_collection, force_all_reduce) -> None:
-    """Call ``config.finalize_model_grads_func`` with the arguments its signature accepts."""
-    kwargs = _accepted(func, {"pg_collection": pg_collection, "force_all_reduce": force_all_reduce})
-    func(model, num_tokens, **kwargs)
-
-
-def _accepted(func, kwargs: dict) -> dict:
-    params = inspect.signature(func).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+    """Call ``config.finalize_model_grads_func`` exactly as Megatron's own schedules do (0.16 and 0.19)."""
+    func(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
 def megatron_core_version() -> str:
