@@ -42,7 +42,7 @@ from functools import lru_cache
 from .actions import Kind
 from .blocks import BuildingBlock, fill_w, schedule_from_block
 from .inputs import EPS as _EPS
-from .schedule import Costs, Placement, Schedule, ScheduleError
+from .schedule import Costs, Placement, Schedule, ScheduleError, one_f_one_b_peak
 from .simulator import simulate
 from .v_schedules import V_INTERVAL, v_half_block, v_min_block
 from .zero_bubble import GreedyFamily, best_greedy, v_zb
@@ -180,10 +180,13 @@ class BlockCandidate:
 
     label: str
     block: BuildingBlock
-    bound: float  # steady peak of the block, memory units, worst device
+    bound: float  # steady peak of the block, memory units, worst device (uniform memory)
 
-    def memory_bound(self) -> float:
-        return self.bound
+    def memory_bound(self, costs: Costs | None = None) -> float:
+        """The block's steady peak, each stage weighted by its memory under ``costs``."""
+        if costs is None or costs.uniform:
+            return self.bound
+        return max(self.block.steady_peak(costs))
 
     def build(self, num_microbatches: int, costs: Costs) -> Schedule:
         return schedule_from_block(self.block, num_microbatches, costs, NAME)
@@ -240,16 +243,27 @@ class GreedyCandidate:
     def label(self) -> str:
         return "v-zb" if self.fraction >= 1 else f"greedy cap {self.cap:g}"
 
-    def memory_bound(self) -> float:
-        return self.cap
+    def memory_bound(self, costs: Costs | None = None) -> float:
+        return self.cap if costs is None else _cap_for(self.num_devices, self.fraction, costs)
 
     def build(self, num_microbatches: int, costs: Costs) -> Schedule:
         if self.fraction >= 1:
             return v_zb(self.num_devices, num_microbatches, costs)
         # A family, not a fixed cap: best_greedy may rank its rule variants on a smaller pipeline.
         fraction = self.fraction
-        family = GreedyFamily(NAME, Placement.v_shape, lambda d: [_cap_units(d, fraction)] * d)
+        family = GreedyFamily(NAME, Placement.v_shape, lambda d, c: [_cap_for(d, fraction, c)] * d)
         return best_greedy(family, self.num_devices, num_microbatches, costs)
+
+
+def _cap_for(num_devices: int, fraction: float, costs: Costs) -> float:
+    """The greedy cap under ``costs``: ``_cap_units`` when memory is uniform; otherwise
+    ``fraction`` x 1F1B's peak under the per-stage memory, at least one microbatch on both
+    chunks of the device that needs the most for it."""
+    if costs.uniform:
+        return _cap_units(num_devices, fraction)
+    costs.check_stages(2 * num_devices, NAME)
+    least = max((costs.memory_of(i) + costs.memory_of(2 * num_devices - 1 - i)) / 2 for i in range(num_devices))
+    return max(least, fraction * one_f_one_b_peak(num_devices, costs))
 
 
 def _cap_units(num_devices: int, fraction: float) -> float:
@@ -365,7 +379,7 @@ def _check_limit(memory_limit: float) -> None:
 
 def lowest_reachable_limit(num_devices: int, num_microbatches: int, costs: Costs = Costs()) -> float:
     """The smallest --memory-limit (fraction of 1F1B's peak) that v-auto can satisfy."""
-    return min(peak for _, peak in _peaks(num_devices, num_microbatches, costs)) / num_devices
+    return min(peak for _, peak in _peaks(num_devices, num_microbatches, costs)) / one_f_one_b_peak(num_devices, costs)
 
 
 def _peaks(num_devices: int, num_microbatches: int, costs: Costs) -> list[tuple[int, float]]:
@@ -373,11 +387,12 @@ def _peaks(num_devices: int, num_microbatches: int, costs: Costs) -> list[tuple[
     candidate built); otherwise the memory bounds are the peaks and nothing is built yet."""
     if _is_exact(num_devices, num_microbatches):
         return [(i, e.peak) for i, e in enumerate(evaluate_candidates(num_devices, num_microbatches, costs))]
-    return [(i, c.memory_bound()) for i, c in enumerate(candidates(num_devices, num_microbatches, costs))]
+    return [(i, c.memory_bound(costs)) for i, c in enumerate(candidates(num_devices, num_microbatches, costs))]
 
 
 def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: float) -> Evaluated:
-    """The lowest-bubble candidate whose peak fits ``memory_limit * num_devices`` units.
+    """The lowest-bubble candidate whose peak fits ``memory_limit`` x 1F1B's peak (``d`` units
+    when memory is uniform; weighted by the per-stage memory otherwise).
 
     Ties go to the lower peak, then to the earlier candidate, so the choice is deterministic.
     Only candidates that fit are evaluated (all of them in an exact search, see ``_peaks``;
@@ -385,10 +400,11 @@ def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: 
     """
     _check_limit(memory_limit)
     peaks = _peaks(num_devices, num_microbatches, costs)
-    budget = memory_limit * num_devices + _EPS
+    reference = one_f_one_b_peak(num_devices, costs)  # 1F1B's peak under the same per-stage memory
+    budget = memory_limit * reference + _EPS
     fitting = [i for i, peak in peaks if peak <= budget]
     if not fitting:
-        lowest = min(peak for _, peak in peaks) / num_devices
+        lowest = min(peak for _, peak in peaks) / reference
         raise ScheduleError(
             f"--memory-limit {memory_limit:g} is below what v-auto reaches on {num_devices} devices with "
             f"{num_microbatches} microbatches; the lowest reachable is {math.ceil(lowest * 1000) / 1000:g} "
@@ -426,7 +442,7 @@ def v_auto(num_devices: int, num_microbatches: int, costs: Costs = Costs(), memo
     chosen, schedule = _chosen_schedule(num_devices, num_microbatches, costs, memory_limit)
     meta = {
         "memory_limit": memory_limit,
-        "memory_limit_units": memory_limit * num_devices,
+        "memory_limit_units": memory_limit * one_f_one_b_peak(num_devices, costs),
         "candidate": chosen.candidate.label,
         "exact_search": chosen.exact,
     }
@@ -436,5 +452,5 @@ def v_auto(num_devices: int, num_microbatches: int, costs: Costs = Costs(), memo
         meta["offsets"] = {f"{kind.value}{stage}.0": block.offsets[(kind, stage)]
                            for stage in range(block.placement.num_stages) for kind in Kind}
     else:
-        meta["greedy_cap_units"] = chosen.candidate.cap
+        meta["greedy_cap_units"] = chosen.candidate.memory_bound(costs)
     return dataclasses.replace(schedule, name=NAME, meta=meta)

@@ -43,22 +43,29 @@ class BuildingBlock:
             for stage in range(self.placement.num_stages)
         }
 
-    def memory_bound(self) -> list[float]:
-        """Per device: sum over its stages of ceil(lifespan / interval) * activation (paper's bound)."""
+    def memory_bound(self, costs: Costs | None = None) -> list[float]:
+        """Per device: sum over its stages of ceil(lifespan / interval) * activation (paper's bound),
+        each stage's activation weighted by ``costs.memory_of(stage)`` when costs are given."""
         activation = self.placement.layer_scale / 2.0
+        weight = _memory_weights(self.placement, costs)
         spans = self.lifespans()
         return [
-            sum(math.ceil(spans[s] / self.interval) * activation for s in stages)
+            sum(math.ceil(spans[s] / self.interval) * activation * weight[s] for s in stages)
             for stages in self.placement.stages_per_device
         ]
 
-    def steady_peak(self) -> list[float]:
-        """Per device: the exact peak activation when the block repeats forever."""
+    def steady_peak(self, costs: Costs | None = None) -> list[float]:
+        """Per device: the exact peak activation when the block repeats forever (each stage's
+        activation weighted by ``costs.memory_of(stage)`` when costs with per-stage memory are given)."""
         activation = self.placement.layer_scale / 2.0
+        windows = [[(self.offsets[(Kind.F, s)], self.end(Kind.W, s)) for s in stages]
+                   for stages in self.placement.stages_per_device]
+        if costs is None or costs.uniform:
+            return [steady_live(device, self.interval) * activation for device in windows]
+        weight = _memory_weights(self.placement, costs)
         return [
-            steady_live([(self.offsets[(Kind.F, s)], self.end(Kind.W, s)) for s in stages], self.interval)
-            * activation
-            for stages in self.placement.stages_per_device
+            steady_live(device, self.interval, [weight[s] for s in stages]) * activation
+            for device, stages in zip(windows, self.placement.stages_per_device)
         ]
 
     def collisions(self) -> list[str]:
@@ -110,12 +117,26 @@ class BuildingBlock:
         return Schedule(name, self.placement, num_microbatches, tuple(programs))
 
 
-def steady_live(windows, interval: int) -> int:
-    """Most copies of the windows [start, end) alive at once when each repeats every ``interval``."""
+def steady_live(windows, interval: int, weights=None):
+    """Most copies of the windows [start, end) alive at once when each repeats every ``interval``
+    (each window's copies counted ``weights[i]`` times when given)."""
+    if weights is None:
+        return max(
+            sum((tau - start) // interval - (tau - end) // interval for start, end in windows)
+            for tau in range(interval)
+        )
     return max(
-        sum((tau - start) // interval - (tau - end) // interval for start, end in windows)
+        sum(((tau - start) // interval - (tau - end) // interval) * weight
+            for (start, end), weight in zip(windows, weights))
         for tau in range(interval)
     )
+
+
+def _memory_weights(placement: Placement, costs: Costs | None) -> list[float]:
+    if costs is None:
+        return [1.0] * placement.num_stages
+    costs.check_stages(placement.num_stages)
+    return [costs.memory_of(stage) for stage in range(placement.num_stages)]
 
 
 def fill_w(placement: Placement, interval: int, fb_offsets: Mapping[tuple[Kind, int], int]) -> BuildingBlock:
@@ -161,6 +182,9 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
     reorder is dropped when its lazy W would need more. Above ``_COMPARE_CELLS`` only the slot
     reorder runs (it is the one that wins on long runs: measured d = 2..16, m = d..8d).
     """
+    costs.check_stages(block.placement.num_stages, name)
+    if not costs.uniform:
+        return _weighted_from_block(block, num_microbatches, costs, name)
     slotted = slot_schedule(block, num_microbatches, name, max(block.steady_peak()))
     if slotted is None:  # lazy W needs more memory than the block's own W slots
         return _idle_filled(block, num_microbatches, costs, name)
@@ -171,6 +195,23 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
         candidates.append(slot_schedule(block, num_microbatches, name, math.inf, early_cooldown=False))
     results = [simulate(c, costs) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (round(results[i].bubble_rate, 9), results[i].peak_memory_max, i))
+    return candidates[best]
+
+
+def _weighted_from_block(block: BuildingBlock, num_microbatches: int, costs: Costs, name: str) -> Schedule:
+    """:func:`schedule_from_block` under per-stage memory: the slot reorder counts chunk
+    activations, so each candidate's simulated (weighted) peak is checked against the block's
+    weighted steady peak, and the plain repeated block stays as the fallback."""
+    bound = max(block.steady_peak(costs)) + 1e-9
+    candidates = [slot_schedule(block, num_microbatches, name, math.inf)]
+    if block.placement.num_devices * num_microbatches <= _COMPARE_CELLS:
+        candidates.append(_idle_filled(block, num_microbatches, costs, name))
+        if has_early_cooldown(block, num_microbatches):
+            candidates.append(slot_schedule(block, num_microbatches, name, math.inf, early_cooldown=False))
+    candidates.append(block.repeat(num_microbatches, name))
+    results = [simulate(c, costs) for c in candidates]
+    fitting = [i for i, r in enumerate(results) if r.peak_memory_max <= bound] or [len(candidates) - 1]
+    best = min(fitting, key=lambda i: (round(results[i].bubble_rate, 9), results[i].peak_memory_max, i))
     return candidates[best]
 
 

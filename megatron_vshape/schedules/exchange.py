@@ -192,7 +192,7 @@ def _timed_run(plans, sends, costs: Costs):
         step = plans[device].steps[index]
         start = max([free[device]] + [slot_time[key] for key in waits_for[device][index]])
         starts[device].append(start)
-        free[device] = start + costs.of(step.action.kind)
+        free[device] = start + costs.of(step.action.kind, step.action.stage)
         made = []
         for msg in step.sends:
             n = send_position[msg]

@@ -49,19 +49,24 @@ class GreedyConfig:
 class _DeviceState:
     """Per-device memory bookkeeping of one greedy run (local to that run)."""
 
-    activation: float
-    chunks: int
+    activation: list[float]  # per stage: one F's activation (weighted by the stage's memory)
+    entry: list[float]  # per device: what admitting a microbatch reserves (all its stages' F)
+    headroom: list[float]  # per device: room kept for one later-chunk F (HEADROOM admission)
     first_stage: list[int]
     memory: list[float]
     reserved: list[float]
     inflight: list[int]
 
     @classmethod
-    def start(cls, placement: Placement) -> _DeviceState:
+    def start(cls, placement: Placement, costs: Costs) -> _DeviceState:
         n = placement.num_devices
+        costs.check_stages(placement.num_stages)
+        activation = [placement.layer_scale / 2.0 * costs.memory_of(s) for s in range(placement.num_stages)]
+        later = [[activation[s] for s in stages if s != min(stages)] for stages in placement.stages_per_device]
         return cls(
-            activation=placement.layer_scale / 2.0,
-            chunks=placement.chunks_per_device,
+            activation=activation,
+            entry=[sum(activation[s] for s in stages) for stages in placement.stages_per_device],
+            headroom=[max(stages, default=0.0) for stages in later],
             first_stage=[min(stages) for stages in placement.stages_per_device],
             memory=[0.0] * n,
             reserved=[0.0] * n,
@@ -97,7 +102,7 @@ def greedy_schedule(
     # pass is offered to it or becomes ready there. Only those devices are looked at then (a
     # scan of every device at every instant made large pipelines quadratic).
     events: list[tuple[float, int]] = []
-    state = _DeviceState.start(placement)
+    state = _DeviceState.start(placement, costs)
     programs: list[list[Action]] = [[] for _ in range(num_devices)]
     priority = config.priority
 
@@ -123,7 +128,7 @@ def greedy_schedule(
             chosen = _pick(heaps[device], ready_at, now, device, state, config)
             if chosen is None:
                 continue
-            end = now + costs.of(chosen.kind) * scale
+            end = now + costs.of(chosen.kind, chosen.stage) * scale
             end_time[chosen] = end
             free_at[device] = end
             heapq.heappush(events, (end, device))
@@ -178,23 +183,23 @@ def _allowed(action, device, state: _DeviceState, config) -> bool:
     if config.admission is Admission.RESERVE_ALL:
         if not entering:
             return True  # admitted earlier: its memory is reserved
-        if state.memory[device] + state.reserved[device] + state.activation * state.chunks > cap:
+        if state.memory[device] + state.reserved[device] + state.entry[device] > cap:
             return False
     else:
-        headroom = (state.chunks - 1) * state.activation
+        headroom = state.headroom[device]
         if config.admission is Admission.NONE or not entering:
             headroom = 0.0
-        if state.memory[device] + state.activation + headroom > cap:
+        if state.memory[device] + state.activation[action.stage] + headroom > cap:
             return False
     limits = config.inflight_limits
     return limits is None or state.inflight[device] < limits[device]
 
 
 def _account(action, device, state: _DeviceState) -> None:
-    activation = state.activation
+    activation = state.activation[action.stage]
     if action.kind is Kind.F:
         if action.stage == state.first_stage[device]:
-            state.reserved[device] += activation * state.chunks
+            state.reserved[device] += state.entry[device]
         state.reserved[device] -= activation
         state.memory[device] += activation
         state.inflight[device] += 1

@@ -27,8 +27,11 @@ def fill_idle(
     """
     placement = schedule.placement
     num_stages = schedule.num_stages
-    activation = schedule.activation()
-    delta = {Kind.F: activation, Kind.B: 0.0, Kind.W: -activation}
+    # Memory change of each (kind, stage): F allocates the stage's activation, W frees it.
+    delta = {}
+    for stage in range(num_stages):
+        activation = schedule.activation(stage, costs)
+        delta.update({(Kind.F, stage): activation, (Kind.B, stage): 0.0, (Kind.W, stage): -activation})
     remaining = [list(program) for program in schedule.programs]
     end_time: dict[Action, float] = {}
     free_at = [0.0] * schedule.num_devices
@@ -58,11 +61,11 @@ def fill_idle(
         for index, action in enumerate(todo[: lookahead + 1]):
             ready = ready_time(action, device)
             if ready is not None and ready <= now + _EPS:
-                if index == 0 or memory[device] + delta[action.kind] + worst <= peaks[device] + _EPS:
+                if index == 0 or memory[device] + delta[action[:2]] + worst <= peaks[device] + _EPS:
                     return index
             elif ready is not None:
                 heapq.heappush(events, ready)
-            running += delta[action.kind]
+            running += delta[action[:2]]
             worst = max(worst, running)
         return None
 
@@ -77,7 +80,7 @@ def fill_idle(
             end = now + schedule.pass_cost(action, costs)
             end_time[action] = end
             free_at[device] = end
-            memory[device] += delta[action.kind]
+            memory[device] += delta[action[:2]]
             reached[device] = max(reached[device], memory[device])
             if first_start[device] is None:
                 first_start[device] = now

@@ -180,6 +180,36 @@ class Costs:
         return cls(**values)
 
 
+def looped_stage_work(costs: Costs, num_devices: int) -> tuple[StageWork, ...]:
+    """Per-stage work of the same model cut into ``num_devices`` looped stages (1F1B's).
+
+    The model's layers run in global stage order on every placement, so 1F1B's stage j holds
+    V stages 2j and 2j+1 (interleaved: j*v .. j*v+v-1); each multiplier is their mean, as a
+    looped stage's pass takes the time of its chunks together. Empty when ``costs`` are uniform.
+    """
+    if costs.uniform:
+        return ()
+    group, rest = divmod(len(costs.stages), num_devices)
+    if rest or not group:
+        raise ScheduleError(f"per-stage costs give {len(costs.stages)} stages, not a multiple of {num_devices} devices")
+    chunks = [costs.stages[j * group:(j + 1) * group] for j in range(num_devices)]
+    return tuple(
+        StageWork(**{name: sum(getattr(w, name) for w in chunk) / group for name in STAGE_WORK_FIELDS})
+        for chunk in chunks
+    )
+
+
+def one_f_one_b_peak(num_devices: int, costs: Costs = Costs()) -> float:
+    """The worst device's peak activation under 1F1B, in memory units (one microbatch over L/d
+    layers): device i holds d - i forwards of its stage, weighted by that stage's memory.
+    The reference for every "x 1F1B's memory" cap (ZB-1P/2P, V-ZB, v-auto's limit); ``d``
+    when costs are uniform."""
+    if costs.uniform:
+        return float(num_devices)
+    stages = looped_stage_work(costs, num_devices)
+    return max((num_devices - i) * work.memory for i, work in enumerate(stages))
+
+
 def parse_stage_work(text: str, num_stages: int, flag: str = "--stage-costs") -> tuple[StageWork, ...]:
     """Parse ``"f=1.6,1,1,2.9;b=...;w=...;memory=..."`` into one StageWork per stage.
 

@@ -6,12 +6,13 @@ dependencies have finished; a dependency on another device also pays ``costs.com
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .actions import Action
 from .schedule import Costs, MemoryModel, Schedule, ScheduleError
-from .timing import KINDS, Interval, ProgramTimes, Timeline, run_programs
+from .timing import KINDS, Interval, ProgramTimes, Timeline, run_programs, stage_durations
 
 __all__ = ["DeadlockError", "Interval", "SimulationResult", "simulate"]
 
@@ -30,6 +31,7 @@ class SimulationResult:
     bubble_rate: float
     peak_memory: tuple[float, ...]
     memory_timeline: tuple[tuple[tuple[float, float], ...], ...]
+    work_each: tuple[float, ...] = ()  # busy time of every device (work_per_device is the largest)
 
     @property
     def makespan_total(self) -> float:
@@ -48,6 +50,8 @@ class SimulationResult:
             "num_stages": self.schedule.num_stages,
             "placement": self.schedule.placement.kind.value,
             "costs": {"f": self.costs.f, "b": self.costs.b, "w": self.costs.w, "comm": self.costs.comm},
+            "stage_costs": [dataclasses.asdict(work) for work in self.costs.stages],
+            "work_each_device": list(self.work_each),
             "makespan": self.makespan,
             "bubble_rate": self.bubble_rate,
             "work_per_device": self.work_per_device,
@@ -59,32 +63,44 @@ class SimulationResult:
 def simulate(
     schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()
 ) -> SimulationResult:
+    costs.check_stages(schedule.num_stages, f"schedule {schedule.name!r}")
     times = _run_programs(schedule, costs)
-    spans, work = [], []
-    for program in times.programs:
-        if program:
-            spans.append(times.end[program[-1]] - times.start[program[0]])
-        kinds = [x // times.ids.per_kind for x in program]
-        work.append(sum(kinds.count(k) * times.durations[k] for k in range(3)))
+    spans = [times.end[program[-1]] - times.start[program[0]] for program in times.programs if program]
+    work = _work(times, schedule.num_stages, costs.uniform)
     makespan = max(spans, default=0.0)
     most_work = max(work, default=0.0)
     bubble = 1.0 - most_work / makespan if makespan > 0 else 0.0
-    activation = schedule.activation()
-    deltas = tuple(memory.delta(kind, activation) for kind in KINDS)
+    # Memory deltas per (kind, stage), indexed like the durations (pass id // microbatches).
+    deltas = tuple(memory.delta(kind, schedule.activation(stage, costs))
+                   for kind in KINDS for stage in range(schedule.num_stages))
     mem_timelines = tuple(_memory_timeline(times, program, deltas) for program in times.programs)
     peaks = tuple(max((v for _, v in tl), default=0.0) for tl in mem_timelines)
     timeline = Timeline(times, schedule.programs)
-    return SimulationResult(schedule, costs, timeline, makespan, most_work, bubble, peaks, mem_timelines)
+    return SimulationResult(schedule, costs, timeline, makespan, most_work, bubble, peaks, mem_timelines, tuple(work))
+
+
+def _work(times: ProgramTimes, num_stages: int, uniform: bool) -> list[float]:
+    """Busy time of each device: the sum of its passes' durations."""
+    m, durations = times.ids.num_microbatches, times.durations
+    if uniform:  # counts x (F, B, W): today's arithmetic, so uniform results stay bit-identical
+        per_kind = times.ids.per_kind
+        out = []
+        for program in times.programs:
+            kinds = [x // per_kind for x in program]
+            out.append(sum(kinds.count(k) * durations[k * num_stages] for k in range(3)))
+        return out
+    return [sum(durations[x // m] for x in program) for program in times.programs]
 
 
 def _run_programs(schedule: Schedule, costs: Costs) -> ProgramTimes:
     """As-soon-as-possible execution of every device's program in order ("squeeze")."""
     scale = schedule.placement.layer_scale
     placement = schedule.placement
+    per_stage = [tuple(costs.of(kind, stage) * scale for kind in KINDS) for stage in range(placement.num_stages)]
     times = run_programs(
         schedule.programs, [placement.device_of(s) for s in range(placement.num_stages)],
         schedule.num_stages, schedule.num_microbatches,
-        (costs.f * scale, costs.b * scale, costs.w * scale), costs.comm, schedule.fused_backward,
+        stage_durations(per_stage), costs.comm, schedule.fused_backward,
     )
     stuck = [str(schedule.programs[dev][times.cursor[dev]]) for dev in times.stuck]
     if stuck:
@@ -100,8 +116,9 @@ def _memory_timeline(times: ProgramTimes, program: list[int], deltas) -> tuple[t
     B/W ends each come in time order already: merging the two is enough (no sort).
     """
     per_kind = times.ids.per_kind
-    allocs = [(times.start[x], deltas[0]) for x in program if x < per_kind]
-    releases = [(times.end[x], deltas[x // per_kind]) for x in program if x >= per_kind]
+    m = times.ids.num_microbatches
+    allocs = [(times.start[x], deltas[x // m]) for x in program if x < per_kind]
+    releases = [(times.end[x], deltas[x // m]) for x in program if x >= per_kind]
     releases = [event for event in releases if event[1]]
     # Merge (releases first at equal times), then the running level.
     merged: list[tuple[float, float]] = []

@@ -58,7 +58,7 @@ class ProgramTimes:
     start: list[float]
     end: list[float]
     cursor: list[int]
-    durations: tuple[float, float, float]
+    durations: tuple[float, ...]  # indexed by kind * num_stages + stage (pass id // microbatches)
 
     @property
     def stuck(self) -> list[int]:
@@ -67,13 +67,17 @@ class ProgramTimes:
 
 def run_programs(
     programs, device_of_stage, num_stages: int, num_microbatches: int,
-    durations: tuple[float, float, float], comm: float, fused_backward: bool = False,
+    durations, comm: float, fused_backward: bool = False,
 ) -> ProgramTimes:
     """As-soon-as-possible execution of every device's program in order.
 
-    ``durations`` are (F, B, W) per pass. With ``fused_backward`` a B waits for the W of the
-    stage after it (the gradient leaves only when that fused B+W ends).
+    ``durations``: (F, B, W) for every stage alike, or one time per (kind, stage), indexed by
+    ``kind * num_stages + stage`` (see :func:`stage_durations`). With ``fused_backward`` a B
+    waits for the W of the stage after it (the gradient leaves only when that fused B+W ends).
     """
+    durations = tuple(durations)
+    if len(durations) == 3:
+        durations = stage_durations([durations] * num_stages)
     ids = PassIds(num_stages, num_microbatches)
     m, per_kind = num_microbatches, num_stages * num_microbatches
     id_programs = [_ids_of(program, ids) for program in programs]
@@ -126,7 +130,7 @@ def run_programs(
                         if e > ready:
                             ready = e
             start[x] = ready
-            now = ready + durations[kind]
+            now = ready + durations[x // m]
             end[x] = now
             if waiters:
                 woken = waiters.pop(x, None)
@@ -135,6 +139,11 @@ def run_programs(
             c += 1
         cursor[device], free[device] = c, now
     return ProgramTimes(ids, id_programs, start, end, cursor, durations)
+
+
+def stage_durations(per_stage) -> tuple[float, ...]:
+    """The flat duration table of :func:`run_programs` from ``per_stage[s] = (F, B, W)``."""
+    return tuple(times[kind] for kind in range(3) for times in per_stage)
 
 
 def _ids_of(program, ids: PassIds) -> list[int]:

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .actions import Action, Kind
-from .schedule import Costs, MemoryModel, Placement, Schedule
+from .schedule import Costs, MemoryModel, Placement, Schedule, one_f_one_b_peak
 
 F_LOW, F_HIGH, B_HIGH, B_LOW, W_HIGH, W_LOW = range(6)
 _KIND = (Kind.F, Kind.F, Kind.B, Kind.B, Kind.W, Kind.W)
@@ -47,10 +47,18 @@ class _Builder:
     def __init__(self, d, m, costs: Costs, variant: VzbVariant, approved, cap_units, memory: MemoryModel):
         self.d, self.m, self.variant = d, m, variant
         self.comm = costs.comm
-        self.cost = (costs.f, costs.f, costs.b, costs.b, costs.w, costs.w)
+        costs.check_stages(2 * d, "v-zb")
         release = memory.b_release
-        # Memory in chunk activations (one F of one chunk = 1; 1F1B's peak d units = 2d).
-        self.delta = (1.0, 1.0, -release, -release, release - 1.0, release - 1.0)
+        # Per device and lane: the time of the pass, and the memory change in chunk activations
+        # (one F of one uniform chunk = 1; 1F1B's peak d units = 2d), weighted by the stage's memory.
+        self.cost, self.delta = [], []
+        for device in range(d):
+            stage = (device, 2 * d - 1 - device)
+            lane_stage = (stage[0], stage[1], stage[1], stage[0], stage[1], stage[0])
+            self.cost.append(tuple(costs.of(_KIND[lane], lane_stage[lane]) for lane in range(6)))
+            low, high = (costs.memory_of(s) for s in stage)
+            self.delta.append((low, high, -release * high, -release * low, (release - 1.0) * high,
+                               (release - 1.0) * low))
         self.cap = 2.0 * cap_units + 1e-9
         self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(6)]
         self.count = [[0] * 6 for _ in range(d)]
@@ -81,7 +89,7 @@ class _Builder:
         mb = count[lane]
         if mb >= self.m:
             raise BuildFailed("lane exhausted")
-        mem = self.mem[device] + self.delta[lane]
+        mem = self.mem[device] + self.delta[device][lane]
         if mem > self.cap:
             raise BuildFailed("memory cap")
         local = _LOCAL_INPUT[lane]
@@ -101,7 +109,7 @@ class _Builder:
                     if idle > self.max_idle:
                         self.max_idle = idle
                 start = ready
-        end = start + self.cost[lane]
+        end = start + self.cost[device][lane]
         self.end[lane][device][mb] = end
         self.now[device] = end
         self.mem[device] = mem
@@ -125,14 +133,14 @@ class _Builder:
 
     def put_with_fill(self, device: int, lane: int, move_w_ahead: bool) -> None:
         """Fill the wait before (lane) with W passes; move one more W ahead if the wait is long."""
-        while self.mem[device] + self.delta[lane] > self.cap:
+        while self.mem[device] + self.delta[device][lane] > self.cap:
             self.put_w(device)
         mb = self.count[device][lane]
         ready = self.arrival(device, lane, mb)
         pending = self.pending_w[device]
         if ready is not None:
-            w = self.cost[W_LOW]
-            while pending and ready >= self.now[device] + w:
+            cost = self.cost[device]
+            while pending and ready >= self.now[device] + cost[pending[0]]:
                 self.put_w(device)
             if pending and move_w_ahead and ready - self.now[device] > self.allowance(device):
                 self.put_w(device)
@@ -151,9 +159,10 @@ class _Builder:
                 back = self.end[F_HIGH][i + 1][0] + self.comm
                 # Chunk-0 forwards while they fit (keeping room for the chunk-1 forwards that
                 # the i+1 devices closer to the start hold) and end before chunk 1 returns.
+                room = (i + 1) * (self.delta[i][F_LOW] + self.delta[i][F_HIGH])
                 while (
-                    self.mem[i] + 2 * (i + 1) <= self.cap
-                    and self.now[i] + self.cost[F_LOW] <= back
+                    self.mem[i] + room <= self.cap
+                    and self.now[i] + self.cost[i][F_LOW] <= back
                     and self.count[i][F_LOW] < m
                 ):
                     for j in range(i + 1):
@@ -231,7 +240,7 @@ def build_v_zb(
 ) -> Schedule | None:
     """The V-ZB schedule of one variant, refined with approved idle times; None if it fails."""
     d, m = num_devices, num_microbatches
-    cap = float(d) if cap_units is None else cap_units
+    cap = one_f_one_b_peak(d, costs) if cap_units is None else cap_units
     try:
         best = _run(d, m, costs, variant, None, cap, memory)
     except BuildFailed:

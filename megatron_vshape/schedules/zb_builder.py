@@ -45,9 +45,12 @@ class _Builder:
         # Per device: most forwards whose B has not run (ZB-H1 keeps 1F1B's d - i); None: no limit.
         self.limits = inflight_limits
         self.comm = costs.comm
-        self.cost = (2.0 * costs.f, 2.0 * costs.b, 2.0 * costs.w)  # one stage = two V chunks
+        costs.check_stages(d, "the looped zero-bubble schedule")
+        # Per stage (= device): (F, B, W) time, one stage = two V chunks; memory change per kind.
+        self.cost = [tuple(2.0 * costs.of(kind, stage) for kind in _KIND) for stage in range(d)]
         release = memory.b_release
-        self.delta = (1.0, -release, release - 1.0)
+        self.delta = [(weight, -release * weight, (release - 1.0) * weight)
+                      for weight in (costs.memory_of(stage) for stage in range(d))]
         self.cap = cap_units + 1e-9
         self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(3)]
         self.count = [[0, 0, 0] for _ in range(d)]
@@ -70,7 +73,7 @@ class _Builder:
         mb = c[kind]
         if mb >= self.m or (kind == _B and c[_F] <= mb) or (kind == _W and c[_B] <= mb):
             raise BuildFailed("order")
-        if self.mem[stage] + self.delta[kind] > self.cap:
+        if self.mem[stage] + self.delta[stage][kind] > self.cap:
             raise BuildFailed("memory cap")
         start = self.now[stage]
         ready = self.arrival(stage, kind, mb)
@@ -78,10 +81,10 @@ class _Builder:
             if c[_F] > 0:
                 self.idle[stage] += ready - start
             start = ready
-        end = start + self.cost[kind]
+        end = start + self.cost[stage][kind]
         self.end[kind][stage][mb] = end
         self.now[stage] = end
-        self.mem[stage] += self.delta[kind]
+        self.mem[stage] += self.delta[stage][kind]
         c[kind] += 1
         self.programs[stage].append((kind, mb))
 
@@ -93,13 +96,13 @@ class _Builder:
         return max(self.idle) - self.idle[stage]
 
     def put_with_fill(self, stage: int, kind: int) -> None:
-        while self.mem[stage] + self.delta[kind] > self.cap:
+        while self.mem[stage] + self.delta[stage][kind] > self.cap:
             if not self.pending_w(stage):
                 raise BuildFailed("memory cap")
             self.put(stage, _W)
         ready = self.arrival(stage, kind, self.count[stage][kind])
         if ready is not None:
-            w = self.cost[_W]
+            w = self.cost[stage][_W]
             while self.pending_w(stage) and self.now[stage] + w <= ready:
                 self.put(stage, _W)
             if self.pending_w(stage) and self.now[stage] < ready:
@@ -109,18 +112,18 @@ class _Builder:
 
     def warm_up(self) -> None:
         d, m = self.d, self.m
-        f_cost, b_cost = self.cost[_F], self.cost[_B]
         for j in range(d):
             self.put(j, _F)
         extra = [0] * d
         back = 0.0
         for j in range(d - 1, -1, -1):
             if j == d - 1:
-                back = self.end[_F][j][0] + b_cost
+                back = self.end[_F][j][0] + self.cost[j][_B]
                 continue
+            f_cost, b_cost = self.cost[j][_F], self.cost[j][_B]
             mem, time = self.mem[j], self.now[j]
             while (
-                self.count[j][_F] + extra[j] < m and mem + self.delta[_F] <= self.cap
+                self.count[j][_F] + extra[j] < m and mem + self.delta[j][_F] <= self.cap
                 and (self.limits is None or self.count[j][_F] + extra[j] < self.limits[j])
             ):
                 if self.variant.bubble_before_first_b:
@@ -128,7 +131,7 @@ class _Builder:
                         break
                 elif time >= back + self.comm:
                     break
-                mem += self.delta[_F]
+                mem += self.delta[j][_F]
                 time += f_cost
                 extra[j] += 1
             back = max(time, back + self.comm) + b_cost
@@ -147,14 +150,14 @@ class _Builder:
             return False
         if not (self.variant.prioritize_b and j + 1 < self.d and c[_F] >= self.count[j + 1][_F] + 2):
             return True
-        f_cost, w_cost = self.cost[_F], self.cost[_W]
-        next_done = self.now[j + 1] + f_cost + self.cost[_B] + self.comm
+        f_cost, w_cost = self.cost[j][_F], self.cost[j][_W]
+        next_done = self.now[j + 1] + self.cost[j + 1][_F] + self.cost[j + 1][_B] + self.comm
         if self.now[j] >= next_done:
             return False
-        w_needed, mem, w_time = 0, self.mem[j] + self.delta[_F], 0.0
+        w_needed, mem, w_time = 0, self.mem[j] + self.delta[j][_F], 0.0
         while mem > self.cap and c[_W] + w_needed < c[_B]:
             w_needed += 1
-            mem += self.delta[_W]
+            mem += self.delta[j][_W]
             w_time += w_cost
         if self.now[j] + f_cost + w_time <= next_done:
             return True
