@@ -5,6 +5,7 @@ Examples::
     vshape list
     vshape simulate --schedule v-half --stages 4 --microbatches 8 --grid
     vshape simulate --schedule v-zb --stages 8 --microbatches 32 --costs f=1,b=1.1,w=0.9,comm=0.05 --json
+    vshape simulate --schedule v-half --stages 2 --microbatches 8 --stage-costs "time=2,1,1,2;memory=1,1,1,3"
     vshape plot --schedule v-half --stages 4 --microbatches 8 -o v-half.png
     vshape export --schedule v-min --stages 4 --microbatches 8 --format torch-csv -o v-min.csv
     vshape import --format torch-csv v-min.csv --stages 4 --placement v
@@ -31,6 +32,7 @@ from .schedules import (
     ScheduleError,
     get_schedule,
     inputs,
+    parse_stage_work,
     schedule_names,
     simulate,
     validate,
@@ -105,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_p = sub.add_parser("simulate", help="validate and simulate a schedule, print a summary")
     _add_selection(simulate_p)
     _add_output_flags(simulate_p)
+    simulate_p.add_argument(
+        "--stage-costs", default=None, metavar="f=2,1,1,2;memory=1,1,1,3",
+        help="per-stage multipliers of the --costs times and of activation memory, one value per stage in "
+             "global stage order (V: 2d stages, stage 2d-1-i on device i; looped: d, interleaved: d x chunks); "
+             "groups f=, b=, w=, memory= or time= (f, b and w together) separated by ';'; omitted keys stay 1")
 
     plot_p = sub.add_parser("plot", help="draw a schedule (PNG, SVG or PDF)")
     _add_selection(plot_p)
@@ -192,7 +199,12 @@ def _costs(args) -> Costs:
         if args.costs is not None:
             raise UsageError("give --costs or --costs-from, not both")
         return _costs_from_file(args.costs_from)
-    return Costs.parse(args.costs or "f=1,b=1,w=1,comm=0")
+    costs = Costs.parse(args.costs or "f=1,b=1,w=1,comm=0")
+    stage_costs = getattr(args, "stage_costs", None)  # only `simulate` has the flag
+    if stage_costs is not None:
+        num_stages = args.stages * SCHEDULES[args.schedule].chunks_per_device(args.chunks)
+        costs = costs.with_stages(parse_stage_work(stage_costs, num_stages))
+    return costs
 
 
 def _costs_from_file(path: str) -> Costs:
@@ -274,6 +286,11 @@ def _report(result, args) -> None:
     if "candidate" in schedule.meta:  # v-auto: which building block / greedy cap it chose
         print(f"chosen        {schedule.meta['candidate']}")
     print(f"costs         f={costs.f:g} b={costs.b:g} w={costs.w:g} comm={costs.comm:g}")
+    if costs.stages:
+        for name in ("f", "b", "w", "memory"):
+            values = ",".join(f"{getattr(work, name):g}" for work in costs.stages)
+            print(f"stage {name:<7} {values}")
+    print(f"work          per device: {' '.join(f'{w:g}' for w in result.work_each)}")
     print(f"makespan      {result.makespan:g}   (work per device {result.work_per_device:g})")
     print(f"bubble rate   {result.bubble_rate:.4f}   ({result.bubble_rate:.1%})")
     peaks = " ".join(f"{p:g}" for p in result.peak_memory)
