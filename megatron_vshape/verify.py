@@ -450,8 +450,8 @@ def parallel_state_rank(spec: RunSpec, rank: int) -> int:
 def _run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, reference: dict) -> dict:
     from megatron.core import parallel_state
 
+    from megatron_vshape.megatron.layout import layout_costs
     from megatron_vshape.runtime import ActivationMeter, build_forward_backward_func
-    from megatron_vshape.runtime.layer_layout import layout_costs
     from megatron_vshape.schedules import SCHEDULES, Costs, simulate
 
     limit = spec.memory_limit if getattr(SCHEDULES[name], "takes_memory_limit", False) else None

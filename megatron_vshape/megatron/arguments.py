@@ -16,6 +16,7 @@ Flags added by :func:`add_arguments`:
                                the first iterations (``auto``, see ``runtime.replan``) or given by hand.
 ``--pipeline-costs-iters N``   iterations measured for ``auto`` (after one warm-up; default 3).
 ``--pipeline-costs-out PATH``  write the measured costs as JSON (``vshape simulate --costs-from PATH``).
+``--pipeline-layout uniform|balanced|N0,N1,...``  transformer layers per pipeline stage (see :mod:`.layout`).
 ``--pipeline-watchdog SECONDS``  report where a stuck pipeline is, on every rank, and end the job
                                (default 300 on GPU, 120 with --cpu; 0 turns it off).
 """
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from ..schedules import SCHEDULES, PlacementKind, fuses_backward
+from . import layout
 
 # Schedules that keep Megatron's own forward_backward functions (install() does not replace them).
 MEGATRON_OWN_SCHEDULES = ("1f1b", "interleaved-1f1b")
@@ -125,6 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--pipeline-costs-out", default=None, metavar="PATH",
                        help="With --pipeline-costs auto: write the measured costs here as JSON, for "
                        "`vshape simulate --costs-from PATH`.")
+    group.add_argument(
+        "--pipeline-layout", default="uniform", metavar="uniform|balanced|N0,N1,...",
+        help="Transformer layers per pipeline stage, in the schedule's global stage order: 2*PP numbers for "
+        "a V schedule (rank i holds stages i and 2*PP-1-i), PP for 1F1B/ZB, PP*V for interleaved-1f1b. "
+        "'uniform' (default): the same on every stage, as today. 'balanced': the counts with the shortest "
+        "predicted iteration, counting the embedding, LM head and loss (needs --vocab-size). The first and "
+        "last stage may hold 0 layers. Passed to Megatron as its --pipeline-model-parallel-layout.",
+    )
     # Mark Megatron's defaults of the flags --cpu changes as "not given": they still *are* Megatron's
     # values (equal strings / ints), so nothing changes for code that never calls validate(), but
     # --cpu can now pick gloo without overriding an explicit --distributed-backend (which it rejects).
@@ -269,9 +279,18 @@ def accounted_layers(args) -> int:
     return getattr(args, "num_layers", 0) + extra
 
 
+def check_pipeline_layout(args, sizes) -> str | None:
+    return layout.check(args, sizes.pp)
+
+
+def check_layout_resolves(args, sizes) -> str | None:
+    """``--pipeline-layout balanced``: the planner simulates the schedule, so only on a valid combination."""
+    return layout.resolve(args, sizes.pp, sizes.num_microbatches)
+
+
 def check_v_layers(args, sizes) -> str | None:
     name = _schedule(args)
-    if name not in V_SCHEDULE_NAMES or getattr(args, "num_layers", None) is None:
+    if name not in V_SCHEDULE_NAMES or getattr(args, "num_layers", None) is None or layout.requested(args):
         return None
     total, chunks = accounted_layers(args), 2 * sizes.pp
     if total % chunks:
@@ -535,7 +554,7 @@ def check_schedule_builds(args, sizes) -> str | None:
                            microbatches_flag="microbatches (--global-batch-size / (--micro-batch-size x DP))")
         size.check()
         spec = getattr(args, "pipeline_costs", None)
-        costs = Costs.parse(spec) if spec and spec.strip().lower() != "auto" else Costs()
+        costs = layout.schedule_costs(args, Costs.parse(spec) if spec and spec.strip().lower() != "auto" else Costs())
         limit = getattr(args, "pipeline_memory_limit", None) if name == AUTO_SCHEDULE else None
         extra = {} if limit is None else {"memory_limit": limit}
         rank0 = os.environ.get("RANK", "0") == "0"
@@ -550,13 +569,13 @@ def check_schedule_builds(args, sizes) -> str | None:
 
 
 CHECKS: tuple[Check, ...] = (
-    check_pipeline_size, check_world_size, check_memory_limit, check_v_layers,
+    check_pipeline_size, check_world_size, check_memory_limit, check_pipeline_layout, check_v_layers,
     check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
     check_cpu_features, check_split_conflicts, check_te_split, check_pipeline_costs,
     check_watchdog, check_save_writable,
 )
 # Run only when CHECKS found nothing: building the schedule can take seconds at large sizes.
-FINAL_CHECKS: tuple[Check, ...] = (check_schedule_builds,)
+FINAL_CHECKS: tuple[Check, ...] = (check_layout_resolves, check_schedule_builds)
 
 
 def problems(args: argparse.Namespace, checks: Iterable[Check] = CHECKS) -> list[str]:
@@ -567,7 +586,10 @@ def problems(args: argparse.Namespace, checks: Iterable[Check] = CHECKS) -> list
         return [unknown]
     found = [msg for check in checks if (msg := check(args, sizes)) is not None]
     if not found and checks is CHECKS:
-        found = [msg for check in FINAL_CHECKS if (msg := check(args, sizes)) is not None]
+        for check in FINAL_CHECKS:  # in order, first problem only: the schedule check needs the layout
+            if (msg := check(args, sizes)) is not None:
+                found = [msg]
+                break
     return found
 
 
@@ -585,6 +607,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if _schedule(args) in V_SCHEDULE_NAMES:
         # Megatron builds two model chunks per rank (vp_stage 0 and 1); install() gives them V layers.
         args.num_virtual_stages_per_pipeline_rank = 2
+    layout.apply(args)  # uneven --pipeline-layout: Megatron's own layout flag (2 chunks follow from it)
     if uses_split_spec(args):
         # TE's linears would keep W in B: megatron's linears with TE attention and norms instead
         # (megatron_vshape.megatron.layer_spec), through Megatron's own --spec.

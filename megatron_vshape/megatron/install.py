@@ -27,12 +27,15 @@ What it does, in order (idempotent; every step is a documented replacement of a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import layout
 from .arguments import (
     AUTO_SCHEDULE,
     MEGATRON_OWN_SCHEDULES,
@@ -76,6 +79,8 @@ def install(args: argparse.Namespace) -> None:
     _wrap_model_construction(args)
     if args.pipeline_schedule in V_SCHEDULE_NAMES:
         _v_stage_predicates()
+    if layout.counts(args) is not None and os.environ.get("RANK", "0") == "0":
+        print(f" [vshape] {layout.describe(args)}", flush=True)
     setattr(args, _INSTALLED, True)
 
 
@@ -154,8 +159,9 @@ def _build_inner(args, name: str):
     if spec is not None and spec.strip().lower() == "auto":
         output = Path(args.pipeline_costs_out) if args.pipeline_costs_out else None
         policy = ReplanPolicy(iterations=args.pipeline_costs_iters, output=output)
-        return build_forward_backward_func(name, memory_limit=limit, replan=policy, watchdog=_watchdog(args))
-    costs = parse_pipeline_costs(spec) if spec is not None else Costs()
+        return build_forward_backward_func(name, costs=layout.schedule_costs(args, Costs()), memory_limit=limit,
+                                           replan=policy, watchdog=_watchdog(args))
+    costs = layout.schedule_costs(args, parse_pipeline_costs(spec) if spec is not None else Costs())
     return build_forward_backward_func(name, costs=costs, memory_limit=limit, watchdog=_watchdog(args))
 
 
@@ -421,8 +427,9 @@ class ChunkBuilder:
             from .dropout_seed import invariant_init
 
             context = invariant_init(self.args.seed, parallel_state.get_tensor_model_parallel_rank())
-        with context:
+        with context, self._layout_for_build():
             model = make(pre_process, post_process, vp_stage, pg_collection)
+        self._check_layers(model, vp_stage)
         if self.is_v:
             self._chunks.append(model)
             if len(self._chunks) == 2:
@@ -431,6 +438,49 @@ class ChunkBuilder:
                 tie_output_to_embedding(self._chunks)
                 self._chunks = []
         return model
+
+    @contextlib.contextmanager
+    def _layout_for_build(self):
+        """On a V with an uneven --pipeline-layout, the config built from args (inside the model
+        provider) gets megatron's layout class that answers for V chunks (runtime.layer_layout).
+        Only while building: args keep the text, which checkpoints store and reload safely."""
+        layers = layout.counts(self.args)
+        if not self.is_v or layers is None:
+            yield
+            return
+        from megatron.core import parallel_state
+
+        from megatron_vshape.runtime.layer_layout import megatron_layout
+        from megatron_vshape.schedules import Placement
+
+        placement = Placement.v_shape(parallel_state.get_pipeline_model_parallel_world_size())
+        text = self.args.pipeline_model_parallel_layout
+        self.args.pipeline_model_parallel_layout = megatron_layout(layers, placement)
+        try:
+            yield
+        finally:
+            self.args.pipeline_model_parallel_layout = text
+
+    def _check_layers(self, model, vp_stage) -> None:
+        """The chunk holds its stage's layers, numbered globally (a model path that bypassed the
+        layout would silently train another split, with wrong checkpoint keys)."""
+        layers = layout.counts(self.args)
+        if layers is None:
+            return
+        from megatron.core import parallel_state
+
+        from megatron_vshape.runtime.placement import chunk_specs
+        from megatron_vshape.schedules import Placement
+
+        d, rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+        placement = Placement.v_shape(d) if self.is_v else Placement.looped(d, len(layers) // d)
+        stage = chunk_specs(placement, rank)[vp_stage or 0].stage
+        want = list(range(sum(layers[:stage]) + 1, sum(layers[:stage + 1]) + 1))
+        decoder = getattr(_unwrap(model), "decoder", None)
+        got = [int(layer.layer_number) for layer in getattr(decoder, "layers", [])]
+        if got != want:
+            raise ConfigError(f"--pipeline-layout: stage {stage} was built with layers {got}, not {want}; the model "
+                              "provider must build GPTModel from the config megatron.training gives it")
 
     def _v_chunk(self, vp_stage, pg_collection):
         from megatron.core import parallel_state
@@ -446,6 +496,12 @@ class ChunkBuilder:
         spec = chunk_specs(placement, parallel_state.get_pipeline_model_parallel_rank())[vp_stage]
         base = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
         return spec.pre_process, spec.post_process, spec.vp_stage, chunk_pg_collection(spec, placement, base)
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
 
 
 def _wrap_model_construction(args) -> None:

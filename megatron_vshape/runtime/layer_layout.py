@@ -35,12 +35,6 @@ def layout_stages(counts) -> list[list[str]]:
     return stages
 
 
-def layout_text(counts) -> str:
-    """The same layout as megatron's ``--pipeline-model-parallel-layout`` string (``E`` ``t`` ``L`` ``|``)."""
-    return "|".join("".join({"embedding": "E", "decoder": "t", "loss": "L"}[kind] for kind in stage)
-                    for stage in layout_stages(counts))
-
-
 class StageLayerLayout(PipelineParallelLayerLayout):
     """megatron's layout, answering for the chunk's own ``vp_stage`` and (looped) pipeline rank.
 
@@ -94,14 +88,3 @@ def stage_layer_counts(layout: PipelineParallelLayerLayout) -> tuple[int, ...]:
     """Decoder layers per global stage of a megatron layout (inverse of :func:`megatron_layout`)."""
     d, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     return tuple(layout.layout[stage % d][stage // d].count(LayerType.decoder) for stage in range(d * v))
-
-
-def layout_costs(costs, counts):
-    """``costs`` for a schedule whose stages hold ``counts`` layers: each stage's F/B/W in proportion.
-
-    ``costs`` is per one V chunk of a uniform split (L/(2d) layers). THE single call site for
-    per-stage work (issue 13): until ``Costs.stages`` exists in the schedule core it returns
-    ``costs`` unchanged, so an uneven layout is scheduled as if uniform (still exact, maybe slower).
-    """
-    del counts  # TODO(issue 13, per-stage costs): Costs(stages=...) from counts once the core has it
-    return costs

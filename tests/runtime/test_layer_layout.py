@@ -9,10 +9,10 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_vshape.megatron.layout import megatron_layout_text
 from megatron_vshape.runtime.layer_layout import (
     VShapeLayerLayout,
     layout_stages,
-    layout_text,
     megatron_layout,
     stage_layer_counts,
 )
@@ -34,7 +34,10 @@ def real_rank(monkeypatch):
 
 
 def test_text_and_counts_round_trip():
-    assert layout_text((0, 3, 3, 2)) == "E|ttt|ttt|ttL"
+    assert megatron_layout_text((0, 3, 3, 2)) == "E|ttt|ttt|ttL"
+    # megatron parses the text form (what training hands it) into the same stages
+    assert stage_layer_counts(PipelineParallelLayerLayout("E|ttt|ttt|ttL", 4)) == (0, 3, 3, 2)
+    assert stage_layer_counts(PipelineParallelLayerLayout(megatron_layout_text(V_COUNTS), 4)) == V_COUNTS
     for placement, counts in ((Placement.v_shape(4), V_COUNTS), (Placement.looped(4), (0, 3, 3, 2)),
                               (Placement.looped(2, 2), (1, 2, 3, 2))):
         assert stage_layer_counts(megatron_layout(counts, placement)) == counts
