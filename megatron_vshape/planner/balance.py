@@ -30,6 +30,7 @@ from ..schedules import SCHEDULES, Costs, Placement, PlacementKind, Schedule, Sc
 from ..schedules.schedule import StageWork
 from ..schedules.stage_layout import check_layout
 from .model import GPTModel
+from .simcache import exact_limit, extrapolation_sizes
 
 # An empty first stage holds only the embedding: a gather and a gradient scatter, memory-bound and
 # tiny next to a layer, but the schedule core takes only positive multipliers; this floor (of a
@@ -38,7 +39,7 @@ MIN_STAGE_WORK = 1e-3
 REGULAR = frozenset({"gpipe", "1f1b", "interleaved-1f1b", "v-min", "v-half"})  # order independent of costs
 MAX_ROUNDS = 64  # accepted moves; each lowers the makespan, so the loop ends well before on real models
 SHORTLIST = 40  # one-layer moves simulated per round, picked by per-device work (see _shortlist)
-GREEDY_SHORTLIST = 3  # of those, regenerated per round for a greedy (cost-dependent) schedule
+GREEDY_SHORTLIST = 1  # of those, regenerated per round for a greedy (cost-dependent) schedule (seconds each)
 INFINITY = float("inf")
 
 
@@ -101,14 +102,19 @@ def stage_work(model: GPTModel, layers_per_stage, flash_attention: bool = False)
     return tuple(out)
 
 
+def stage_time(work: StageWork, placement: Placement, costs: Costs) -> float:
+    """F + B + W of one microbatch on a stage, as the simulator times it (``costs`` are per V chunk,
+    L/(2d) layers; a looped stage of L/d layers is twice that: ``layer_scale``)."""
+    return (work.f * costs.f + work.b * costs.b + work.w * costs.w) * placement.layer_scale
+
+
 def device_work(works, placement: Placement, costs: Costs = Costs()) -> tuple[float, ...]:
     """Per-device time of one microbatch's F + B + W over all its stages, in ``costs`` units."""
-    return tuple(sum(works[s].f * costs.f + works[s].b * costs.b + works[s].w * costs.w for s in stages)
-                 for stages in placement.stages_per_device)
+    return tuple(sum(stage_time(works[s], placement, costs) for s in stages) for stages in placement.stages_per_device)
 
 
 def default_costs(model: GPTModel) -> Costs:
-    """One uniform stage's F = 1, with a layer's B/F and W/F from FLOPs and no communication."""
+    """One V chunk's (L/(2d) layers') F = 1, with a layer's B/F and W/F from FLOPs and no communication."""
     f, b, w = _layer_flops(model)
     return Costs(1.0, b / f, w / f, 0.0)
 
@@ -165,8 +171,7 @@ def proportional_layout(model: GPTModel, placement: Placement, costs: Costs) -> 
     within a device, layers go where they even out the stages' work."""
     num_stages, per_device = placement.num_stages, placement.stages_per_device
     probe = stage_work(model, (0,) * num_stages)  # the extras alone (head on the last stage)
-    layer = stage_work(model, (1,) + (0,) * (num_stages - 1))[0]
-    per_layer = layer.f * costs.f + layer.b * costs.b + layer.w * costs.w
+    per_layer = stage_time(stage_work(model, (1,) + (0,) * (num_stages - 1))[0], placement, costs)
     extras = device_work(probe, placement, costs)
     mean = (model.layers * per_layer + sum(extras)) / placement.num_devices
     floors = [sum(1 for s in stages if 0 < s < num_stages - 1) for stages in per_device]
@@ -174,7 +179,7 @@ def proportional_layout(model: GPTModel, placement: Placement, costs: Costs) -> 
     device_layers = _apportion(model.layers, weights, floors)
     counts = [0] * num_stages
     for stages, n in zip(per_device, device_layers):
-        stage_extra = [probe[s].f * costs.f + probe[s].b * costs.b + probe[s].w * costs.w for s in stages]
+        stage_extra = [stage_time(probe[s], placement, costs) for s in stages]
         stage_floor = [1 if 0 < s < num_stages - 1 else 0 for s in stages]
         top = (sum(stage_extra) + n * per_layer) / len(stages)  # every stage at the same work
         share = [top - e - per_layer * f for e, f in zip(stage_extra, stage_floor)]
@@ -195,22 +200,23 @@ class _Scorer:
     memory_limit: float | None
     placement: Placement
     evaluated: int = 0
-    regular_orders: dict[int, Schedule] = field(default_factory=dict)
+    orders: dict[tuple, Schedule] = field(default_factory=dict)
 
     def costs_for(self, layers) -> Costs:
         works = stage_work(self.model, layers, self.flash_attention)
         return self.costs.with_stages(works)
 
-    def build(self, layers, num_microbatches: int | None = None) -> Schedule:
-        """The schedule's order for ``layers``; a regular schedule's order ignores the costs, so
-        it is generated once per size (uniform costs) and shared."""
+    def build(self, layers, num_microbatches: int | None = None, shared: bool = False) -> Schedule:
+        """The schedule generated for ``layers``' costs, as training would get it (cached). With
+        ``shared``, a regular schedule (order nearly independent of costs) reuses one order per
+        size, generated for the base costs: cheap enough to rank many layouts on."""
         m = num_microbatches or self.num_microbatches
-        limit = {"memory_limit": self.memory_limit} if SCHEDULES[self.name].takes_memory_limit else {}
-        if self.name not in REGULAR:
-            return get_schedule(self.name, self.num_devices, m, self.costs_for(layers), **limit)
-        if m not in self.regular_orders:
-            self.regular_orders[m] = get_schedule(self.name, self.num_devices, m, self.costs, **limit)
-        return self.regular_orders[m]
+        key = (m, None if shared and self.name in REGULAR else tuple(layers))
+        if key not in self.orders:
+            costs = self.costs if key[1] is None else self.costs_for(layers)
+            limit = {"memory_limit": self.memory_limit} if SCHEDULES[self.name].takes_memory_limit else {}
+            self.orders[key] = get_schedule(self.name, self.num_devices, m, costs, **limit)
+        return self.orders[key]
 
     def evaluate(self, layers, num_microbatches: int | None = None) -> tuple[float, float]:
         """Build and time; a layout the generator cannot schedule (e.g. over a memory cap) scores infinity."""
@@ -254,34 +260,32 @@ def _shortlist(scorer: _Scorer, layouts) -> list[tuple[int, ...]]:
     return sorted(layouts, key=key)[:SHORTLIST]
 
 
-def _placement(name: str, num_devices: int) -> Placement:
+def placement_for(name: str, num_devices: int) -> Placement:
+    """The placement ``name`` runs on (interleaved-1f1b: 2 chunks per device, as the planner assumes)."""
     spec = SCHEDULES[name]
     if spec.placement is PlacementKind.V:
         return Placement.v_shape(num_devices)
-    return Placement.looped(num_devices, 2 if name == "interleaved-1f1b" else 1)
+    return Placement.looped(num_devices, spec.chunks_per_device())
 
 
 def _search_size(name: str, num_devices: int, num_microbatches: int) -> int:
     """Microbatches the local search simulates: past the warm-up, but capped (generation cost)."""
-    minimum = SCHEDULES[name].min_microbatches(num_devices)
-    size = min(num_microbatches, max(2 * num_devices, 8))
-    if name == "interleaved-1f1b":
-        size -= size % num_devices
-    return max(size, minimum)
+    return SCHEDULES[name].nearest_microbatches(num_devices, min(num_microbatches, max(2 * num_devices, 8)))
 
 
 def choose_layout(model: GPTModel, schedule_name: str, pp: int, num_microbatches: int, costs: Costs | None = None,
                   memory_limit: float | None = None, flash_attention: bool = False) -> LayoutChoice:
     """The layout (layers per global stage) with the shortest simulated iteration of ``schedule_name``.
 
-    ``costs``: one uniform stage's F, B, W and a message (default: :func:`default_costs`).
+    ``costs``: F, B, W of one V chunk (L/(2d) layers, as everywhere in the schedule core) and a
+    message (default: :func:`default_costs`).
     ``memory_limit``: v-auto's limit (a fraction of 1F1B's peak), passed to its generator.
     Raises ScheduleError for unknown schedules or too few microbatches, ValueError (one line) if
     the model has fewer layers than the schedule has middle stages.
     """
     if schedule_name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {schedule_name!r}; choose one of: {', '.join(SCHEDULES)}")
-    placement = _placement(schedule_name, pp)
+    placement = placement_for(schedule_name, pp)
     num_stages = placement.num_stages
     if model.layers < max(num_stages - 2, 1):
         raise ValueError(f"--pipeline-layout: {model.layers} layers cannot fill the {num_stages - 2} middle stages "
@@ -292,8 +296,8 @@ def choose_layout(model: GPTModel, schedule_name: str, pp: int, num_microbatches
     start = proportional_layout(model, placement, scorer.costs)
     best = _local_search(scorer, start, _search_size(schedule_name, pp, num_microbatches))
     # Final verdict at the real size, each layout with its own generated order.
-    ref_time, ref_peak = scorer.time(scorer.build(reference), reference)  # errors here are the user's
-    best_time, best_peak = scorer.evaluate(best)
+    ref_time, ref_peak = _verdict(scorer, reference, strict=True)  # errors here are the user's
+    best_time, best_peak = _verdict(scorer, best)
     if best_time >= ref_time:
         best, best_time, best_peak = reference, ref_time, ref_peak
     check_layout(best, model.layers, num_stages)
@@ -301,20 +305,53 @@ def choose_layout(model: GPTModel, schedule_name: str, pp: int, num_microbatches
                         scorer.evaluated)
 
 
+def _verdict(scorer: _Scorer, layers, strict: bool = False) -> tuple[float, float]:
+    """(makespan, peak memory) at the real microbatch count, with the order generated for ``layers``.
+
+    Above the planner's exact-simulation limit the makespan is extrapolated linearly from two
+    smaller sizes, as :mod:`.simcache` does (generation with uneven costs grows faster than
+    linearly in the count); the peak memory saturates once the pipeline is full."""
+    spec, d, m = SCHEDULES[scorer.name], scorer.num_devices, scorer.num_microbatches
+    if m <= exact_limit(scorer.name, d):
+        return scorer.time(scorer.build(layers), layers) if strict else scorer.evaluate(layers)
+    m1, m2 = (spec.nearest_microbatches(d, size) for size in extrapolation_sizes(scorer.name, d))
+    if m1 >= m2 or m2 >= m:
+        return scorer.time(scorer.build(layers), layers) if strict else scorer.evaluate(layers)
+    if strict:
+        (t1, _), (t2, peak) = (scorer.time(scorer.build(layers, size), layers) for size in (m1, m2))
+    else:
+        (t1, _), (t2, peak) = (scorer.evaluate(layers, size) for size in (m1, m2))
+    if t2 == INFINITY:
+        return INFINITY, INFINITY
+    # Each extra microbatch costs at least the busiest device's work for one microbatch.
+    per_microbatch = max(device_work(stage_work(scorer.model, layers, scorer.flash_attention), scorer.placement,
+                                     scorer.costs))
+    return t2 + max((t2 - t1) / (m2 - m1), per_microbatch) * (m - m2), peak
+
+
 def _local_search(scorer: _Scorer, start: tuple[int, ...], size: int) -> tuple[int, ...]:
-    """Best single-layer moves while the simulated makespan drops (orders: see :meth:`_Scorer.build`)."""
+    """Best single-layer moves while the simulated makespan drops.
+
+    A regular schedule's layouts are all timed on one shared order. A greedy schedule's shortlist
+    is ranked on the current layout's own order, and the best few are regenerated and timed on
+    their own orders before one is accepted (what training would run)."""
     regular = scorer.name in REGULAR
+
+    def own(layout) -> float:
+        return scorer.time(scorer.build(layout, size, shared=True), layout)[0] if regular \
+            else scorer.evaluate(layout, size)[0]
+
     current = start
-    current_time, _ = scorer.evaluate(current, size)
+    current_time = own(current)
     for _ in range(MAX_ROUNDS):
         shortlist = _shortlist(scorer, _moves(current))
-        if current_time < INFINITY:  # rank on the current layout's order (one generation)
-            order = scorer.build(current, size)
-            scored = sorted((scorer.time(order, layout)[0], layout) for layout in shortlist)
-        else:  # the generator could not schedule the start: try the list as it is
-            scored = [(INFINITY, layout) for layout in shortlist]
-        if not regular:  # a greedy order depends on the costs: regenerate the best few
-            scored = [(scorer.evaluate(layout, size)[0], layout) for _, layout in scored[:GREEDY_SHORTLIST]]
+        if regular:
+            scored = [(own(layout), layout) for layout in shortlist]
+        else:
+            if current_time < INFINITY:  # rank on the current order, then regenerate the best few
+                order = scorer.build(current, size)
+                shortlist = [layout for _, layout in sorted((scorer.time(order, x)[0], x) for x in shortlist)]
+            scored = [(own(layout), layout) for layout in shortlist[:GREEDY_SHORTLIST]]
         if not scored:
             break
         candidate_time, candidate = min(scored)

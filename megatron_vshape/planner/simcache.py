@@ -63,6 +63,12 @@ def exact_limit(name: str, num_devices: int) -> int:
     return regular if name in REGULAR else max(regular, EXACT_BUDGET // num_devices)
 
 
+def extrapolation_sizes(name: str, num_devices: int) -> tuple[int, int]:
+    """The two simulated microbatch counts a count above :func:`exact_limit` is extrapolated from."""
+    limit = exact_limit(name, num_devices)
+    return _sizes(num_devices) if name in REGULAR else (limit - 6 * -(-limit // 24), limit)
+
+
 @lru_cache(maxsize=1024)
 def _build(name: str, num_devices: int, num_microbatches: int, b: float, w: float, comm: float) -> Schedule:
     """Generate a schedule for coarsely rounded cost ratios: generation (greedy) is the slow part,
@@ -94,7 +100,7 @@ def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Cost
         result = sim(num_microbatches)
         return PipelineRun(result.makespan_total * unit, result.bubble_rate, result, unit, False,
                            None, num_microbatches)
-    m1, m2 = _sizes(num_devices) if name in REGULAR else (limit - 6 * -(-limit // 24), limit)
+    m1, m2 = extrapolation_sizes(name, num_devices)
     first, second = sim(m1), sim(m2)
 
     # Each extra microbatch costs at least its work on the busiest device; greedy schedules

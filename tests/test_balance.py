@@ -1,0 +1,112 @@
+"""Balanced layer layouts: per-stage work from FLOPs and the simulator-scored layout choice (pure Python)."""
+
+import pytest
+
+from megatron_vshape.planner.balance import (
+    MIN_STAGE_WORK,
+    choose_layout,
+    default_costs,
+    device_work,
+    paper_layout,
+    placement_for,
+    proportional_layout,
+    reference_layout,
+    stage_work,
+)
+from megatron_vshape.planner.model import GPTModel
+from megatron_vshape.schedules import Costs, ScheduleError, get_schedule, simulate
+
+# Head = 2hV = 262k FLOPs per token against a layer's 24h^2 + 4sh = 106k: about 2.5 layers.
+HEAD_HEAVY = GPTModel("head-heavy", 16, 64, 4, 32, 2048)
+NO_HEAD = GPTModel("tiny-vocab", 16, 512, 8, 32, 1)  # the head is 1/6144 of a layer
+
+
+def test_stage_work_sums_to_the_model_flops_and_memory():
+    model = HEAD_HEAVY
+    layers = (1, 3, 2, 2, 2, 2, 3, 1)
+    works = stage_work(model, layers)
+    unit = model.layers / len(layers)  # layers in one uniform stage
+    layer_f, layer_b, layer_w = model.layer_flops(1)
+    head = model.head_flops(1)
+    assert sum(w.f for w in works) * unit * layer_f == pytest.approx(model.layers * layer_f + head)
+    assert sum(w.b for w in works) * unit * layer_b == pytest.approx(model.layers * layer_b + head)
+    assert sum(w.w for w in works) * unit * layer_w == pytest.approx(model.layers * layer_w + head)
+    act = model.activation_bytes(1, 1, False)
+    assert sum(w.memory for w in works) * unit * act == pytest.approx(model.layers * act + model.logits_bytes(1, 1))
+
+
+def test_uniform_stages_without_head_are_today_costs():
+    works = stage_work(NO_HEAD, (2,) * 8)
+    assert all(w.f == w.b == w.w == w.memory == 1.0 for w in works[:-1])
+    assert works[-1].f == pytest.approx(1.0, abs=1e-3)
+
+
+def test_head_sits_on_the_last_stage_and_an_empty_first_stage_is_tiny_but_positive():
+    works = stage_work(HEAD_HEAVY, (0, 4, 4, 4, 4, 0))
+    assert works[0].f == works[0].memory == MIN_STAGE_WORK
+    unit = HEAD_HEAVY.layers / 6  # layers in a uniform stage
+    assert works[-1].f == pytest.approx(HEAD_HEAVY.head_flops(1) / (unit * HEAD_HEAVY.layer_flops(1)[0]))
+    assert works[-1].memory > 0.5  # the fp32 logits
+
+
+def test_reference_layouts():
+    assert reference_layout(32, 8) == ("uniform", (4,) * 8)
+    assert paper_layout(78, 40) == (1,) + (2,) * 38 + (1,)
+    assert reference_layout(78, 40)[0] == "paper"
+    name, counts = reference_layout(7, 4)
+    assert name == "even" and sum(counts) == 7 and counts[0] <= counts[1]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "v-half"])
+def test_proportional_start_sums_and_keeps_middle_stages(schedule):
+    placement = placement_for(schedule, 4)
+    counts = proportional_layout(HEAD_HEAVY, placement, default_costs(HEAD_HEAVY))
+    assert sum(counts) == HEAD_HEAVY.layers and len(counts) == placement.num_stages
+    assert all(c >= 1 for c in counts[1:-1])
+
+
+def _device_layers(schedule, counts, d):
+    return [sum(counts[s] for s in stages) for stages in placement_for(schedule, d).stages_per_device]
+
+
+@pytest.mark.parametrize("schedule, d", [("v-half", 2), ("v-half", 4), ("v-min", 4), ("v-zb", 4), ("1f1b", 4)])
+def test_balanced_is_never_slower_and_relieves_the_head_device(schedule, d):
+    costs = Costs(1.0, 1.2, 0.8, 0.05)
+    choice = choose_layout(HEAD_HEAVY, schedule, d, 4 * d, costs)
+    assert choice.iteration_time <= choice.reference_time
+    head_device = 0 if schedule.startswith("v-") else d - 1  # the device holding the LM head
+    balanced = _device_layers(schedule, choice.layers_per_stage, d)
+    uniform = _device_layers(schedule, choice.reference_layers, d)
+    assert balanced[head_device] < uniform[head_device]
+    assert choice.speedup > 1.05  # 2.5 layers of head on 16 layers: a visible gain
+
+
+def test_balanced_equals_uniform_when_there_is_nothing_to_balance():
+    choice = choose_layout(NO_HEAD, "v-half", 2, 8)
+    assert choice.layers_per_stage == choice.reference_layers == (4, 4, 4, 4)
+
+
+def test_choice_is_what_the_simulator_says_and_deterministic():
+    first = choose_layout(HEAD_HEAVY, "v-half", 4, 16)
+    second = choose_layout(HEAD_HEAVY, "v-half", 4, 16)
+    assert first == second
+    costs = default_costs(HEAD_HEAVY).with_stages(stage_work(HEAD_HEAVY, first.layers_per_stage))
+    result = simulate(get_schedule("v-half", 4, 16, costs), costs)
+    assert result.makespan_total == pytest.approx(first.iteration_time)
+
+
+def test_per_device_work_of_the_chosen_layout_is_more_even():
+    choice = choose_layout(HEAD_HEAVY, "v-half", 4, 16)
+    placement = placement_for("v-half", 4)
+    costs = default_costs(HEAD_HEAVY)
+    before = device_work(stage_work(HEAD_HEAVY, choice.reference_layers), placement, costs)
+    after = device_work(stage_work(HEAD_HEAVY, choice.layers_per_stage), placement, costs)
+    assert max(after) < max(before)
+    assert sum(after) == pytest.approx(sum(before))
+
+
+def test_errors_are_one_line():
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        choose_layout(HEAD_HEAVY, "nope", 4, 16)
+    with pytest.raises(ValueError, match="--pipeline-layout: 4 layers cannot fill the 6 middle stages"):
+        choose_layout(GPTModel("small", 4, 64, 4, 32, 2048), "v-half", 4, 16)
