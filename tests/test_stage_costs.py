@@ -198,6 +198,18 @@ def test_zero_bubble_caps_hold_under_per_stage_memory(name, factor):
     assert peak <= factor * one_f_one_b + 1e-9
 
 
+def test_v_zb_builder_handles_unequal_stages():
+    """The constructive V-ZB builder (not only the greedy one) completes with a slow first and
+    last stage; before it skipped unready passes it failed every variant here."""
+    from megatron_vshape.schedules import v_zb_builder
+
+    built = [v_zb_builder.build_v_zb(4, 16, HEAVY_V, variant) for variant in v_zb_builder.VARIANTS]
+    assert all(schedule is not None for schedule in built)
+    for schedule in built:
+        validate(schedule)
+        assert simulate(schedule, HEAVY_V).peak_memory_max <= one_f_one_b_peak(4, HEAVY_V) + 1e-9
+
+
 @pytest.mark.parametrize("name", ["v-min", "v-half"])
 def test_v_blocks_stay_within_their_weighted_bound(name):
     block = {"v-min": v_min_block, "v-half": v_half_block}[name](4)

@@ -48,6 +48,9 @@ class _Builder:
         self.d, self.m, self.variant = d, m, variant
         self.comm = costs.comm
         costs.check_stages(2 * d, "v-zb")
+        # Unequal stages: a device may get ahead of its inputs, so the phases skip (or place
+        # upstream first) what is not ready instead of failing; equal stages never need it.
+        self.uneven = not costs.uniform
         release = memory.b_release
         # Per device and lane: the time of the pass, and the memory change in chunk activations
         # (one F of one uniform chunk = 1; 1F1B's peak d units = 2d), weighted by the stage's memory.
@@ -174,8 +177,45 @@ class _Builder:
             while c[F_LOW] + c[F_HIGH] < p[F_LOW] + p[F_HIGH] or c[F_HIGH] <= p[F_HIGH] < m:
                 for j in range(d - 1, i - 1, -1):
                     if self.count[j][lane] < m:
+                        if self.uneven:
+                            self.place_forward_inputs(j, lane, self.count[j][lane])
                         self.put(j, lane)
                 lane = F_HIGH if lane == F_LOW else F_LOW
+
+    def place_forward_inputs(self, device: int, lane: int, mb: int) -> None:
+        """Place, upstream first, the forwards that forward (lane, mb) of ``device`` needs: the
+        warm-up sizes devices by time, and a slow first stage leaves later devices short."""
+        if lane == F_LOW:
+            source = (device - 1, F_LOW) if device > 0 else None
+        else:
+            source = (device + 1, F_HIGH) if device < self.d - 1 else (device, F_LOW)
+        if source is None:
+            return
+        src_device, src_lane = source
+        while self.count[src_device][src_lane] <= mb:
+            self.place_forward_inputs(src_device, src_lane, self.count[src_device][src_lane])
+            self.put(src_device, src_lane)
+
+    def inputs_ready(self, device: int, lane: int) -> bool:
+        """Whether (lane, next microbatch) of ``device`` has its inputs placed (always true with
+        equal stages, where the rounds keep the devices in step)."""
+        if not self.uneven:
+            return True
+        mb = self.count[device][lane]
+        local = _LOCAL_INPUT[lane]
+        if local is not None and self.count[device][local] <= mb:
+            return False
+        step = _SOURCE_STEP[lane]
+        source = device + step
+        return not step or not 0 <= source < self.d or self.end[lane][source][mb] != _UNSET
+
+    def fits(self, device: int, lane: int) -> bool:
+        """Whether (lane) fits the cap once every pending W of ``device`` has run (with unequal
+        stages a device can fill its memory with forwards before its backwards come back)."""
+        if not self.uneven:
+            return True
+        delta = self.delta[device]
+        return self.mem[device] + delta[lane] + sum(delta[w] for w in self.pending_w[device]) <= self.cap
 
     def backward_round(self) -> None:
         d = self.d
@@ -191,9 +231,11 @@ class _Builder:
             else:
                 high_next.append(i)
         for i in reversed(low_next):
-            self.put_with_fill(i, B_LOW, True)
+            if self.inputs_ready(i, B_LOW):
+                self.put_with_fill(i, B_LOW, True)
         for i in high_next:
-            self.put_with_fill(i, B_HIGH, self.variant.fill_b)
+            if self.inputs_ready(i, B_HIGH):
+                self.put_with_fill(i, B_HIGH, self.variant.fill_b)
 
     def forward_round(self) -> None:
         d, m = self.d, self.m
@@ -209,11 +251,12 @@ class _Builder:
                 lane = F_LOW
             else:
                 continue
-            self.put_with_fill(i, lane, self.variant.fill_f)
+            if self.inputs_ready(i, lane) and self.fits(i, lane):
+                self.put_with_fill(i, lane, self.variant.fill_f)
 
     def build(self) -> None:
         self.warm_up()
-        for _ in range(2 * self.m):
+        for _ in range(2 * self.m * (2 if self.uneven else 1)):
             self.backward_round()
             self.forward_round()
         for i in range(self.d):
