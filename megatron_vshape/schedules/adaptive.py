@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .actions import Kind
-from .blocks import BuildingBlock, fill_w, schedule_from_block
+from .blocks import BuildingBlock, schedule_from_block
 from .inputs import EPS as _EPS
 from .schedule import Costs, Placement, Schedule, ScheduleError, one_f_one_b_peak
 from .simulator import simulate
-from .v_schedules import V_INTERVAL, v_half_block, v_min_block
+from .v_schedules import V_INTERVAL, v_block, v_half_block, v_min_block
 from .zero_bubble import GreedyFamily, best_greedy, v_zb
 
 NAME = "v-auto"
@@ -153,15 +153,6 @@ def _collision_free_joins(legs: tuple[tuple[int, ...], ...]):
                 yield (j1, j2, j3)
 
 
-def _block(placement: Placement, starts: list[tuple[int, int, int, int]]) -> BuildingBlock:
-    """Block from per-device F/B starts [F chunk0, F chunk1, B chunk1, B chunk0]; W by ``fill_w``."""
-    offsets = {}
-    for device, (f0, f1, b1, b0) in enumerate(starts):
-        chunk0, chunk1 = placement.stages_per_device[device]
-        offsets.update({(Kind.F, chunk0): f0, (Kind.F, chunk1): f1, (Kind.B, chunk1): b1, (Kind.B, chunk0): b0})
-    return fill_w(placement, V_INTERVAL, offsets)
-
-
 def _order_key(block: BuildingBlock) -> tuple:
     """Two blocks with equal keys repeat into identical programs (same order on every device)."""
     interval = block.interval
@@ -199,13 +190,12 @@ def candidate_blocks(num_devices: int) -> tuple[BlockCandidate, ...]:
     V-Min and V-Half come first (under their own names), then the enumerated family. Blocks
     that repeat into the same programs are kept once (the peak, too, follows from the order).
     """
-    placement = Placement.v_shape(num_devices)
     blocks = list(_named_blocks(num_devices))
     seen = {_order_key(c.block) for c in blocks}
     for legs in _leg_patterns(num_devices):
         for joins in _collision_free_joins(legs):
             pattern = GapPattern(*legs, joins)
-            block = _block(placement, pattern.starts())
+            block = v_block(pattern.starts())
             key = _order_key(block)
             if key in seen:
                 continue
