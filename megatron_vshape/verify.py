@@ -691,6 +691,9 @@ def _parse(argv):
     parser.add_argument("--overlap-grad-reduce", action="store_true", help="DDP overlapped gradient reduction")
     parser.add_argument("--memory-limit", type=float, help="v-auto: activation memory limit, x 1F1B's peak")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--pipeline-layout", default="uniform", metavar="uniform|N0,N1,...",
+                        help="transformer layers per stage in global stage order (2 x --pp numbers for a V "
+                             "schedule, --pp for 1F1B/ZB): checks an uneven split, as training's --pipeline-layout")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: CPU ranks (default); cuda: one GPU per rank, the reference on GPU 0")
     parser.add_argument("--backend", choices=BACKENDS, default=None,
@@ -748,7 +751,8 @@ def _check_args(args) -> None:
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be >= 1")
     stages = num_stages(args.schedule, args.pp)
-    if args.layers % stages:
+    args.layout_counts = _layout_counts(args, stages)
+    if args.layers % stages and args.layout_counts is None:
         raise SystemExit(f"--layers {args.layers} must divide into {stages} stages for {args.schedule} at --pp {args.pp}")
     if args.sequence_parallel and args.tp == 1:
         raise SystemExit("--sequence-parallel needs --tp > 1")
@@ -769,6 +773,24 @@ def _check_args(args) -> None:
         raise SystemExit(f"--schedule/--pp/--microbatches: {err}") from None
     if args.device == "cuda":
         _check_gpus(args.tp * args.pp * args.dp)
+
+
+def _layout_counts(args, stages: int) -> tuple[int, ...] | None:
+    """``--pipeline-layout`` as counts (None: uniform), or SystemExit with one line."""
+    from megatron_vshape.schedules.stage_layout import BALANCED, UNIFORM, parse_layout
+
+    if args.pipeline_layout.strip().lower() == UNIFORM:
+        return None
+    if args.pipeline_layout.strip().lower() == BALANCED:
+        raise SystemExit("--pipeline-layout balanced is chosen by training's cost model; give the counts it "
+                         "printed (N0,N1,...) to check them here")
+    try:
+        counts = parse_layout(args.pipeline_layout, args.layers, stages)
+    except ValueError as err:  # one line naming the flag; here the layer count is --layers
+        raise SystemExit(str(err).replace("--num-layers", "--layers")) from None
+    if args.pp == 1:
+        raise SystemExit("--pipeline-layout needs --pp >= 2 (at --pp 1 every chunk is built uniformly)")
+    return counts
 
 
 def _check_gpus(needed: int) -> None:
@@ -812,7 +834,8 @@ def main(argv=None) -> int:
     spec = RunSpec(schedules=(args.schedule,), pp=args.pp, tp=args.tp, dp=args.dp,
                    microbatches=args.microbatches, sequence_parallel=args.sequence_parallel, model=model,
                    distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
-                   memory_limit=args.memory_limit, device=args.device)
+                   memory_limit=args.memory_limit, device=args.device,
+                   layouts=() if args.layout_counts is None else (args.layout_counts,))
     default_grad, default_loss = tolerances(args.device, args.dtype)
     grad_tol = default_grad if args.grad_tol is None else args.grad_tol
     loss_tol = default_loss if args.loss_tol is None else args.loss_tol
@@ -826,6 +849,8 @@ def main(argv=None) -> int:
     else:
         print(f"schedule {args.schedule}: pp={args.pp} tp={args.tp} dp={args.dp} m={args.microbatches} "
               f"device={args.device} dtype={args.dtype} spec={args.spec}")
+        if args.layout_counts is not None:
+            print(f"  layers per stage {','.join(map(str, args.layout_counts))}")
         print(f"  max gradient relative error  {report['max_grad_rel_err']:.3e}  ({result['worst_param']})")
         print(f"  max per-microbatch loss diff {report['max_loss_abs_err']:.3e}")
         print(f"  weight gradients deferred by B {report['wgrad_deferred']}, run by W {report['wgrad_run']}")
