@@ -145,10 +145,6 @@ class Costs:
         """True when every stage is alike: the generators then run exactly today's code paths."""
         return all(work.is_unit for work in self.stages)
 
-    def base(self) -> Costs:
-        """The same base times without per-stage work."""
-        return replace(self, stages=())
-
     def check_stages(self, num_stages: int, schedule: str = "this schedule") -> None:
         """Refuse per-stage work whose length is not the schedule's stage count."""
         if self.stages and len(self.stages) != num_stages:
@@ -156,11 +152,6 @@ class Costs:
                 f"per-stage costs give {len(self.stages)} stages but {schedule} has {num_stages} "
                 f"(V: 2 per device; 1F1B/ZB: 1 per device; interleaved: chunks per device); "
                 f"give one value per stage")
-
-    def stage_times(self, num_stages: int) -> list[tuple[float, float, float]]:
-        """(F, B, W) time of one V chunk's layers for each stage."""
-        self.check_stages(num_stages)
-        return [tuple(self.of(kind, stage) for kind in (Kind.F, Kind.B, Kind.W)) for stage in range(num_stages)]
 
     @classmethod
     def parse(cls, text: str) -> Costs:
