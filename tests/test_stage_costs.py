@@ -210,6 +210,27 @@ def test_v_zb_builder_handles_unequal_stages():
         assert simulate(schedule, HEAVY_V).peak_memory_max <= one_f_one_b_peak(4, HEAVY_V) + 1e-9
 
 
+def test_sized_costs_keep_the_ends_for_proxy_pipelines():
+    from megatron_vshape.schedules.zero_bubble import sized_costs
+
+    costs = Costs().with_stages(_ends(16))
+    small = sized_costs(costs, 8)
+    assert small.stages[0] == costs.stages[0] and small.stages[-1] == costs.stages[-1]
+    assert small.stages[1:-1] == (StageWork(),) * 6
+    assert sized_costs(costs, 16) is costs and sized_costs(Costs(), 8) == Costs()
+    assert sized_costs(Costs().with_stages([StageWork()] * 16), 8) == Costs()
+
+
+@pytest.mark.slow
+def test_large_zero_bubble_schedules_rank_on_a_proxy_with_per_stage_costs():
+    """Above 2048 cells the variants are ranked on a 16-device proxy: its costs must fit it."""
+    d, m = 18, 120
+    costs = Costs().with_stages(_ends(2 * d))
+    schedule = get_schedule("v-zb", d, m, costs)
+    validate(schedule)
+    assert simulate(schedule, costs).peak_memory_max <= one_f_one_b_peak(d, costs) + 1e-9
+
+
 @pytest.mark.parametrize("name", ["v-min", "v-half"])
 def test_v_blocks_stay_within_their_weighted_bound(name):
     block = {"v-min": v_min_block, "v-half": v_half_block}[name](4)

@@ -99,12 +99,13 @@ def greedy_candidates(family: GreedyFamily, costs: Costs) -> list[Candidate]:
     def build(index: int) -> Candidate:
         def candidate(num_devices: int, num_microbatches: int) -> Schedule | None:
             variant = _variants(family, num_devices, costs)[index]
+            sized = sized_costs(costs, family.placement(num_devices).num_stages)
             config = GreedyConfig(
-                family.memory_caps(num_devices, costs), variant.priority, variant.inflight_limits,
+                family.memory_caps(num_devices, sized), variant.priority, variant.inflight_limits,
                 variant.admission, variant.wait_window,
             )
             try:
-                return greedy_schedule(family.name, family.placement(num_devices), num_microbatches, costs, config)
+                return greedy_schedule(family.name, family.placement(num_devices), num_microbatches, sized, config)
             except ScheduleError:
                 return None  # this variant stalls under the caps
         return candidate
@@ -138,6 +139,20 @@ def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, c
     return best_of(family.name, greedy_candidates(family, costs), num_devices, num_microbatches, costs)
 
 
+def sized_costs(costs: Costs, num_stages: int) -> Costs:
+    """``costs`` for a pipeline of ``num_stages`` stages: unchanged when the count matches (or
+    stages are uniform); otherwise the per-stage work resampled evenly, first and last stage
+    kept, for ranking variants on a smaller proxy pipeline (``best_of``)."""
+    count = len(costs.stages)
+    if count in (0, num_stages):
+        return costs
+    if costs.uniform:
+        return costs.with_stages(())
+    if num_stages == 1:
+        return costs.with_stages(costs.stages[:1])
+    return costs.with_stages(costs.stages[round(s * (count - 1) / (num_stages - 1))] for s in range(num_stages))
+
+
 def _rank(candidates, num_devices, num_microbatches, costs):
     """(key, candidate index, schedule) for every candidate that builds, best first; stops at
     the first schedule without any bubble (nothing can beat it on makespan)."""
@@ -146,7 +161,7 @@ def _rank(candidates, num_devices, num_microbatches, costs):
         schedule = candidate(num_devices, num_microbatches)
         if schedule is None:
             continue
-        result = simulate(schedule, costs)
+        result = simulate(schedule, sized_costs(costs, schedule.num_stages))
         ranked.append(((round(result.makespan, 9), result.peak_memory_max, index), index, schedule))
         if result.bubble_rate <= 1e-12:
             break
@@ -204,7 +219,8 @@ def _constructive_zb(name: str, factor: float, costs: Costs, memory: MemoryModel
     def build(variant: zb_builder.ZbVariant) -> Candidate:
         def candidate(d: int, m: int) -> Schedule | None:
             limits = _one_f_one_b_limits(d) if limited else None
-            return zb_builder.build_zb(d, m, costs, factor * one_f_one_b_peak(d, costs), variant, name, memory, limits)
+            sized = sized_costs(costs, d)
+            return zb_builder.build_zb(d, m, sized, factor * one_f_one_b_peak(d, sized), variant, name, memory, limits)
         return candidate
 
     return [build(variant) for variant in zb_builder.VARIANTS]
@@ -220,7 +236,7 @@ def v_zb(num_devices: int, num_microbatches: int, costs: Costs, memory: MemoryMo
     """
 
     def build(variant: v_zb_builder.VzbVariant) -> Candidate:
-        return lambda d, m: v_zb_builder.build_v_zb(d, m, costs, variant, memory=memory)
+        return lambda d, m: v_zb_builder.build_v_zb(d, m, sized_costs(costs, 2 * d), variant, memory=memory)
 
     candidates = [build(variant) for variant in v_zb_builder.VARIANTS]
     # Unequal stages: the greedy scheduler always competes too. Measured over four per-stage
