@@ -110,3 +110,28 @@ def test_errors_are_one_line():
         choose_layout(HEAD_HEAVY, "nope", 4, 16)
     with pytest.raises(ValueError, match="--pipeline-layout: 4 layers cannot fill the 6 middle stages"):
         choose_layout(GPTModel("small", 4, 64, 4, 32, 2048), "v-half", 4, 16)
+
+
+def test_vshape_plan_prints_reference_and_balanced_layouts(capsys):
+    from megatron_vshape.planner.cli import main as plan_main
+
+    argv = ["--model", "9.6b", "--gpus", "8", "--global-batch", "16", "--tp", "1", "--pp", "8",
+            "--micro-batch", "1", "--schedules", "1f1b,1f1b-r,v-half"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Layer layout of each best configuration" in out
+    v_half = next(line for line in out.splitlines() if line.startswith("v-half") and "balanced" in line)
+    assert "paper 1,2,2,2,2,2,2,2,2,2,2,2,2,2,2,1: iter" in v_half and "MFU" in v_half
+    assert "1f1b-r           not compared: 1f1b-r: layer balancing does not model recomputation" in out
+    assert plan_main([*argv, "--no-layouts"]) == 0
+    assert "Layer layout" not in capsys.readouterr().out
+
+
+def test_uniform_reference_is_timed_on_the_order_training_builds():
+    """Training builds a uniform layout's schedule from the base costs (no per-stage work)."""
+    choice = choose_layout(HEAD_HEAVY, "v-zb", 4, 16)
+    costs = default_costs(HEAD_HEAVY)
+    staged = costs.with_stages(stage_work(HEAD_HEAVY, choice.reference_layers))
+    result = simulate(get_schedule("v-zb", 4, 16, costs), staged)
+    assert choice.reference_name == "uniform"
+    assert result.makespan_total == pytest.approx(choice.reference_time)

@@ -206,14 +206,18 @@ class _Scorer:
         works = stage_work(self.model, layers, self.flash_attention)
         return self.costs.with_stages(works)
 
-    def build(self, layers, num_microbatches: int | None = None, shared: bool = False) -> Schedule:
-        """The schedule generated for ``layers``' costs, as training would get it (cached). With
-        ``shared``, a regular schedule (order nearly independent of costs) reuses one order per
-        size, generated for the base costs: cheap enough to rank many layouts on."""
+    def build(self, layers, num_microbatches: int | None = None, shared: bool = False,
+              base_order: bool = False) -> Schedule:
+        """The schedule generated for ``layers``' costs, as training would get it (cached).
+
+        ``base_order``: generated for the base costs alone, as training builds a uniform layout's
+        schedule. ``shared``: the same for a regular schedule (order nearly independent of costs),
+        one order per size, cheap enough to rank many layouts on."""
         m = num_microbatches or self.num_microbatches
-        key = (m, None if shared and self.name in REGULAR else tuple(layers))
+        base = base_order or (shared and self.name in REGULAR)
+        key = (m, None if base else tuple(layers))
         if key not in self.orders:
-            costs = self.costs if key[1] is None else self.costs_for(layers)
+            costs = self.costs if base else self.costs_for(layers)
             limit = {"memory_limit": self.memory_limit} if SCHEDULES[self.name].takes_memory_limit else {}
             self.orders[key] = get_schedule(self.name, self.num_devices, m, costs, **limit)
         return self.orders[key]
@@ -296,7 +300,7 @@ def choose_layout(model: GPTModel, schedule_name: str, pp: int, num_microbatches
     start = proportional_layout(model, placement, scorer.costs)
     best = _local_search(scorer, start, _search_size(schedule_name, pp, num_microbatches))
     # Final verdict at the real size, each layout with its own generated order.
-    ref_time, ref_peak = _verdict(scorer, reference, strict=True)  # errors here are the user's
+    ref_time, ref_peak = _verdict(scorer, reference, reference=True)
     best_time, best_peak = _verdict(scorer, best)
     if best_time >= ref_time:
         best, best_time, best_peak = reference, ref_time, ref_peak
@@ -305,28 +309,36 @@ def choose_layout(model: GPTModel, schedule_name: str, pp: int, num_microbatches
                         scorer.evaluated)
 
 
-def _verdict(scorer: _Scorer, layers, strict: bool = False) -> tuple[float, float]:
-    """(makespan, peak memory) at the real microbatch count, with the order generated for ``layers``.
+def _verdict(scorer: _Scorer, layers, reference: bool = False) -> tuple[float, float]:
+    """(makespan, peak memory) at the real microbatch count, with the order training would run:
+    generated for ``layers``' per-stage costs, or for the base costs for the uniform ``reference``
+    (training builds a uniform layout's schedule without per-stage work). Errors raise for the
+    reference (they are the user's) and score infinity otherwise.
 
     Above the planner's exact-simulation limit the makespan is extrapolated linearly from two
     smaller sizes, as :mod:`.simcache` does (generation with uneven costs grows faster than
     linearly in the count); the peak memory saturates once the pipeline is full."""
     spec, d, m = SCHEDULES[scorer.name], scorer.num_devices, scorer.num_microbatches
-    if m <= exact_limit(scorer.name, d):
-        return scorer.time(scorer.build(layers), layers) if strict else scorer.evaluate(layers)
-    m1, m2 = (spec.nearest_microbatches(d, size) for size in extrapolation_sizes(scorer.name, d))
-    if m1 >= m2 or m2 >= m:
-        return scorer.time(scorer.build(layers), layers) if strict else scorer.evaluate(layers)
-    if strict:
-        (t1, _), (t2, peak) = (scorer.time(scorer.build(layers, size), layers) for size in (m1, m2))
-    else:
-        (t1, _), (t2, peak) = (scorer.evaluate(layers, size) for size in (m1, m2))
+    base = reference and len(set(layers)) == 1
+
+    def at(size: int) -> tuple[float, float]:
+        try:
+            return scorer.time(scorer.build(layers, size, base_order=base), layers)
+        except ScheduleError:
+            if reference:
+                raise
+            return INFINITY, INFINITY
+
+    sizes = [spec.nearest_microbatches(d, size) for size in extrapolation_sizes(scorer.name, d)]
+    if m <= exact_limit(scorer.name, d) or not sizes[0] < sizes[1] < m:
+        return at(m)
+    (t1, _), (t2, peak) = at(sizes[0]), at(sizes[1])
     if t2 == INFINITY:
         return INFINITY, INFINITY
     # Each extra microbatch costs at least the busiest device's work for one microbatch.
     per_microbatch = max(device_work(stage_work(scorer.model, layers, scorer.flash_attention), scorer.placement,
                                      scorer.costs))
-    return t2 + max((t2 - t1) / (m2 - m1), per_microbatch) * (m - m2), peak
+    return t2 + max((t2 - t1) / (sizes[1] - sizes[0]), per_microbatch) * (m - sizes[1]), peak
 
 
 def _local_search(scorer: _Scorer, start: tuple[int, ...], size: int) -> tuple[int, ...]:

@@ -18,9 +18,11 @@ from pathlib import Path
 
 from ..progress import phase
 from ..schedules import ScheduleError, inputs
+from ..schedules.stage_layout import format_layout
 from .costs import CostModel, calibrate_efficiency
 from .explain import no_split, why_nothing
 from .hardware import GPUS, get_gpu
+from .layout_mfu import LayoutComparison, compare_layouts
 from .model import PRESETS, GPTModel, get_model
 from .predict import Prediction, planner_schedule_names, split_name
 from .search import Grid, ScheduleSearch, layouts, search
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch", type=_int_list, default=[1, 2, 4, 8], help="microbatch sizes (default 1,2,4,8)")
     s.add_argument("--all", action="store_true", help="also print every configuration evaluated")
     s.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
+    s.add_argument("--no-layouts", action="store_true",
+                   help="skip the layer-layout comparison (uniform vs balanced) of each schedule's best layout")
     return p
 
 
@@ -193,6 +197,35 @@ def run(args) -> list[ScheduleSearch]:
     return results
 
 
+def layout_comparisons(results: list[ScheduleSearch], model: GPTModel, cost_model: CostModel,
+                       flash_attention: bool) -> dict[str, LayoutComparison | str]:
+    """Per schedule with a best layout: reference vs balanced layer layout, or why there is none."""
+    out: dict[str, LayoutComparison | str] = {}
+    for found in results:
+        if found.best is None:
+            continue
+        try:
+            out[found.schedule] = compare_layouts(found.schedule, model, cost_model, found.best.layout, flash_attention)
+        except ValueError as error:  # ScheduleError included; recomputing schedules are not modelled
+            out[found.schedule] = " ".join(str(error).split())
+    return out
+
+
+def layout_report(comparisons: dict[str, LayoutComparison | str]) -> str:
+    lines = ["", "Layer layout of each best configuration, with the embedding, LM head and loss costed on their own "
+             "stages (--pipeline-layout uniform|balanced):"]
+    for name, c in comparisons.items():
+        if isinstance(c, str):
+            lines.append(f"{name:17s}not compared: {c}")
+            continue
+        choice = c.choice
+        lines.append(f"{name:17s}{c.choice.reference_name} {format_layout(choice.reference_layers)}: iter "
+                     f"{c.reference_iteration:7.2f} s MFU {c.reference_mfu:6.2%}  ->  balanced "
+                     f"{format_layout(choice.layers_per_stage)}: iter {c.balanced_iteration:7.2f} s MFU "
+                     f"{c.balanced_mfu:6.2%} (x{c.reference_iteration / c.balanced_iteration:.3f})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -207,12 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     reasons = {r.schedule: why_nothing(r, model, cost_model, args.gpus, args.global_batch, _grid(args))
                for r in results if r.best is None}
     print(report(results, args.all, reasons))
+    comparisons = {} if args.no_layouts else layout_comparisons(results, model, cost_model, args.flash_attention)
+    if comparisons:
+        print(layout_report(comparisons))
     if args.json:
         records = [{"schedule": r.schedule, "best": r.best.to_json() if r.best else None,
                     "reason": reasons.get(r.schedule, r.reason),
+                    "layout": _layout_json(comparisons.get(r.schedule)),
                     "evaluated": [p.to_json() for p in r.evaluated]} for r in results]
         args.json.write_text(json.dumps(records, indent=2))
     return 0
+
+
+def _layout_json(comparison: LayoutComparison | str | None):
+    if comparison is None or isinstance(comparison, str):
+        return None if comparison is None else {"error": comparison}
+    return comparison.to_json()
 
 
 if __name__ == "__main__":
