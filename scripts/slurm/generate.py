@@ -1,8 +1,14 @@
 #!/usr/bin/env python
-"""Generate the Slurm batch scripts for the paper's runs (one file per run family and schedule).
+"""Generate a Slurm batch script for one of the paper's runs (a run family and a schedule), on demand.
 
-    python scripts/slurm/generate.py            # (re)write scripts/slurm/*.sbatch
-    python scripts/slurm/generate.py --check    # exit 1 if a committed script differs from the generator
+    python scripts/slurm/generate.py --list                          # families and schedules
+    python scripts/slurm/generate.py pp_9.6b v-half                  # print the script
+    python scripts/slurm/generate.py pp_9.6b v-half -o run.sbatch    # write it (executable)
+    python scripts/slurm/generate.py --all --out-dir DIR             # every family x schedule into DIR
+    python scripts/slurm/generate.py --update                        # rewrite the committed examples
+    python scripts/slurm/generate.py --check                         # exit 1 if an example is stale
+
+Only the examples (``EXAMPLES``) are committed; every other script is generated when needed.
 
 Families (model shapes from the paper, A100 80 GB nodes with 8 GPUs by default):
   pure-pipeline: 9.6B/16 GPUs, 21B/24, 38.5B/32, 98.5B/40 with PP = #GPUs, microbatch counts d, 4d, 16d;
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from megatron_vshape.megatron import arguments
 from megatron_vshape.planner import CostModel, GPTModel, Layout, get_gpu, predict
 from megatron_vshape.planner.memory import (
     RESERVED_BYTES,
@@ -88,10 +95,6 @@ class Variant:
     schedule: str
     extra: tuple[str, ...] = ()
 
-    @property
-    def is_v(self) -> bool:
-        return self.schedule.startswith("v-")
-
 
 VARIANTS = (
     Variant("1f1b", "1f1b"),
@@ -104,6 +107,10 @@ VARIANTS = (
     Variant("v-half", "v-half"),
     Variant("v-zb", "v-zb"),
 )
+
+
+# The argument module's checks that decide whether a grid point is a valid launch at all.
+LAYOUT_CHECKS = (arguments.check_world_size, arguments.check_v_layers, arguments.check_microbatches)
 
 
 @dataclass(frozen=True)
@@ -155,15 +162,19 @@ class Run:
         return MEMORY_CACHE.get(self)
 
     def fits(self) -> bool:
-        """The layout divides the layers and the batch the way Megatron (and the schedule) require."""
-        dp = self.model.gpus // (self.tp * self.pp)
-        if self.global_batch % (self.micro_batch * dp):
-            return False
-        m = self.global_batch // (self.micro_batch * dp)
-        stages = self.pp * (2 if self.variant.is_v or self.variant.name == "interleaved-1f1b" else 1)
-        if (self.model.layers + 2) % stages:
-            return False
-        return self.variant.name != "interleaved-1f1b" or (m >= self.pp and m % self.pp == 0)
+        """The layout passes the training-flag checks every rank runs at start-up (world size, V layer
+        split, the batch and the schedule's own microbatch rule from the registry). Megatron's own
+        rules (e.g. layers per virtual stage) are checked by CI, which parses every line with its parser."""
+        return not self.problems()
+
+    def problems(self) -> list[str]:
+        m = self.model
+        args = argparse.Namespace(
+            pipeline_schedule=self.variant.schedule, num_layers=m.layers, world_size=m.gpus,
+            account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True,
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            micro_batch_size=self.micro_batch, global_batch_size=self.global_batch)
+        return arguments.problems(args, LAYOUT_CHECKS)
 
 
 @dataclass(frozen=True)
@@ -276,11 +287,16 @@ def hybrid_runs(seq: int, variant: Variant) -> list[Run]:
 
 @dataclass(frozen=True)
 class Script:
-    filename: str
+    family: str  # e.g. pp_9.6b, hybrid_98.5b_seq3072
+    variant: Variant
     job_name: str
     description: str
     gpus: int
     runs: tuple[Run, ...]  # every grid point the layout rules allow, fitting or not
+
+    @property
+    def filename(self) -> str:
+        return f"{self.family}_{self.variant.name}.sbatch"
 
     @property
     def kept(self) -> tuple[Run, ...]:
@@ -297,7 +313,7 @@ def all_scripts() -> list[Script]:
         for variant in VARIANTS:
             runs = tuple(pure_pipeline_runs(model, variant))
             scripts.append(Script(
-                f"pp_{model.name}_{variant.name}.sbatch", f"vshape-{model.name}-{variant.name}",
+                f"pp_{model.name}", variant, f"vshape-{model.name}-{variant.name}",
                 f"{model.name} GPT, pure pipeline over {model.gpus} GPUs, {variant.name}, "
                 f"microbatch size {model.micro_batch}, {', '.join(str(r.global_batch // r.micro_batch) for r in runs)} "
                 "microbatches", model.gpus, runs))
@@ -305,15 +321,30 @@ def all_scripts() -> list[Script]:
         for variant in VARIANTS:
             runs = tuple(hybrid_runs(seq, variant))
             scripts.append(Script(
-                f"hybrid_98.5b_seq{seq}_{variant.name}.sbatch", f"vshape-hybrid-{seq}-{variant.name}",
+                f"hybrid_98.5b_seq{seq}", variant, f"vshape-hybrid-{seq}-{variant.name}",
                 f"98.5B GPT on 40 GPUs, DP x TP x PP grid search, sequence {seq}, global batch "
                 f"{HYBRID_BATCH[seq]}, {variant.name}", HYBRID_MODEL.gpus, runs))
     return scripts
 
 
+FAMILIES = tuple(dict.fromkeys(script.family for script in all_scripts()))
+# The committed examples (docker/README.md uses the first); generate any other script on demand.
+EXAMPLES = (("pp_9.6b", "v-half"), ("hybrid_98.5b_seq16384", "v-min"))
+
+
+def find_script(family: str, schedule: str) -> Script:
+    """The script of ``family`` and ``schedule``; ValueError naming the choices otherwise."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown run family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    names = [variant.name for variant in VARIANTS]
+    if schedule not in names:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(names)}")
+    return next(s for s in all_scripts() if (s.family, s.variant.name) == (family, schedule))
+
+
 TEMPLATE = """#!/bin/bash
 # {description}.
-# Generated by scripts/slurm/generate.py: edit the generator, not this file.
+# Generated by `python scripts/slurm/generate.py {family} {schedule}`: edit the generator, not this file.
 #
 # Usage (from the repository root, or set VSHAPE_ROOT):
 #   sbatch -p PARTITION {path}            # NODES defaults to {nodes} nodes x 8 GPUs
@@ -399,47 +430,105 @@ fi
 """
 
 
-def render(script: Script) -> str:
+def render(script: Script, path: str | None = None) -> str:
+    """The sbatch text of ``script``; ``path`` is where its usage lines say it lies (default: its file name)."""
     runs = "\n".join(f"  # {run.layout_text}: {run.memory.describe()}\n  " + shlex.quote(" ".join(run.args()))
                       for run in script.kept)
     dropped = "".join(f"#   dropped {run.layout_text}: {run.memory.describe()}\n" for run in script.dropped)
     empty = "" if script.kept else EMPTY.format(gpu=GPU.name)
-    return TEMPLATE.format(description=script.description, path=f"scripts/slurm/{script.filename}",
-                           job_name=script.job_name, nodes=script.gpus // GPUS_PER_NODE, gpus=script.gpus,
-                           runs=runs, cpus=CPUS_PER_GPU * GPUS_PER_NODE, attention=ATTENTION_BACKEND,
+    return TEMPLATE.format(description=script.description, path=path or script.filename, family=script.family,
+                           schedule=script.variant.name, job_name=script.job_name, nodes=script.gpus // GPUS_PER_NODE,
+                           gpus=script.gpus, runs=runs, cpus=CPUS_PER_GPU * GPUS_PER_NODE, attention=ATTENTION_BACKEND,
                            gpu=GPU.name, kept=len(script.kept), total=len(script.runs), dropped=dropped,
                            empty=empty)
 
 
+def write(script: Script, path: Path, shown_as: str | None = None) -> None:
+    path.write_text(render(script, shown_as or str(path)))
+    path.chmod(0o755)
+
+
+def examples() -> list[tuple[Script, Path]]:
+    return [(script, HERE / script.filename) for script in (find_script(*example) for example in EXAMPLES)]
+
+
+def example_path(path: Path) -> str:
+    return str(path.relative_to(HERE.parent.parent))
+
+
+def check() -> list[str]:
+    """Committed files that differ from what the generator makes now (examples, memory_fit.json)."""
+    stale = [path.name for script, path in examples()
+             if not path.exists() or path.read_text() != render(script, example_path(path))]
+    keys = {run.key for script in all_scripts() for run in script.runs}
+    if MEMORY_CACHE.dirty or set(MEMORY_CACHE.entries) != keys:
+        stale.append(MEMORY_CACHE.path.name)
+    return stale
+
+
+def update() -> None:
+    """Rewrite the committed examples and memory_fit.json (grid points missing from it are computed)."""
+    scripts = all_scripts()
+    for script, path in examples():
+        write(script, path, example_path(path))
+    for script in scripts:
+        for run in script.runs:
+            run.memory  # noqa: B018 -- fills the cache
+    MEMORY_CACHE.save({run.key for script in scripts for run in script.runs})
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=HERE)
-    parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on any difference")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.split("\n")[2:9]))
+    parser.add_argument("family", nargs="?", help="run family, e.g. pp_9.6b or hybrid_98.5b_seq3072 (see --list)")
+    parser.add_argument("schedule", nargs="?", help="schedule as run on the cluster, e.g. v-half or 1f1b-r")
+    parser.add_argument("-o", "--output", type=Path, help="write the script here (executable) instead of printing it")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--list", action="store_true", help="print the run families and schedules")
+    modes.add_argument("--all", action="store_true", help="write every family x schedule into --out-dir")
+    modes.add_argument("--update", action="store_true", help="rewrite the committed examples and memory_fit.json")
+    modes.add_argument("--check", action="store_true", help="exit 1 if a committed example or memory_fit.json is stale")
+    parser.add_argument("--out-dir", type=Path, help="with --all: the directory to write into")
     parser.add_argument("--refresh-memory", action="store_true",
                         help="recompute every grid point's memory with the planner (tens of minutes) instead of "
-                             "reading memory_fit.json")
+                             "reading memory_fit.json; with --update, saved there")
     opts = parser.parse_args(argv)
+    one = opts.family is not None
+    if one != (opts.schedule is not None) or one == (opts.list or opts.all or opts.update or opts.check):
+        parser.error("give FAMILY SCHEDULE (e.g. pp_9.6b v-half), or one of --list, --all, --update, --check")
+    if opts.output and not one:
+        parser.error("-o/--output writes one script: give FAMILY SCHEDULE (or use --all --out-dir DIR)")
+    if opts.all != (opts.out_dir is not None):
+        parser.error("--all writes into --out-dir DIR; give both or neither")
     if opts.check and opts.refresh_memory:
         parser.error("--check compares with the committed memory_fit.json; drop --refresh-memory")
     MEMORY_CACHE.refresh = opts.refresh_memory
-    scripts = all_scripts()
-    keys = {run.key for script in scripts for run in script.runs}
-    stale = []
-    for script in scripts:
-        path, text = opts.out_dir / script.filename, render(script)
-        if opts.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(path.name)
-            continue
-        path.write_text(text)
-        path.chmod(0o755)
-    if opts.check and (MEMORY_CACHE.dirty or set(MEMORY_CACHE.entries) != keys):
-        stale.append(MEMORY_CACHE.path.name)
-    elif not opts.check:
-        MEMORY_CACHE.save(keys)
-    if stale:
-        print(f"stale Slurm scripts (rerun scripts/slurm/generate.py): {', '.join(stale)}", file=sys.stderr)
-        return 1
+    if opts.list:
+        print("families: " + " ".join(FAMILIES))
+        print("schedules: " + " ".join(variant.name for variant in VARIANTS))
+        return 0
+    if opts.check:
+        stale = check()
+        if stale:
+            print(f"stale (rerun python scripts/slurm/generate.py --update): {', '.join(stale)}", file=sys.stderr)
+        return 1 if stale else 0
+    if opts.update:
+        update()
+        return 0
+    if opts.all:
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        for script in all_scripts():
+            write(script, opts.out_dir / script.filename)
+        return 0
+    try:
+        script = find_script(opts.family, opts.schedule)
+    except ValueError as err:
+        parser.error(str(err))
+    if opts.output:
+        write(script, opts.output)
+    else:
+        sys.stdout.write(render(script))
     return 0
 
 
