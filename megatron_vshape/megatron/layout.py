@@ -68,6 +68,11 @@ def check(args, pp: int) -> str | None:
     for dest, flag in CONFLICTING_FLAGS:
         if getattr(args, dest, None):
             return f"{flag} cannot be combined with {FLAG} (both set layers per stage); drop {flag}"
+    if (getattr(args, "pipeline_costs", None) or "").strip().lower() == "auto":
+        # Re-planning times passes per V chunk and keeps the slowest rank: with uneven stages that
+        # mixes stage sizes into one base cost and drops the per-stage work (not built yet).
+        return (f"--pipeline-costs auto cannot re-plan an uneven {FLAG} yet; give the costs by hand "
+                "(--pipeline-costs f=..,b=..,w=..,comm=..) or use the uniform layout")
     if args.pipeline_schedule == "interleaved-1f1b" and not getattr(args, "num_virtual_stages_per_pipeline_rank", None):
         return (f"{FLAG} with interleaved-1f1b counts layers per chunk; give the chunks with "
                 "--num-virtual-stages-per-pipeline-rank V (then PP x V numbers)")

@@ -143,3 +143,9 @@ def test_a_chunk_built_without_the_layout_is_refused(monkeypatch):
     builder._check_layers(_chunk([1, 2]), vp_stage=0)  # stage 1
     with pytest.raises(ConfigError, match=r"--pipeline-layout: stage 6 was built with layers \[7\], not \[7, 8\]"):
         builder._check_layers(_chunk([7]), vp_stage=1)
+
+
+def test_measured_costs_are_refused_with_an_uneven_layout():
+    message = one_problem(training_args("--pipeline-layout", "0,2,1,1,1,1,2,0", "--pipeline-costs", "auto"))
+    assert message.startswith("--pipeline-costs auto cannot re-plan an uneven --pipeline-layout")
+    assert problems(training_args("--pipeline-layout", "0,2,1,1,1,1,2,0", "--pipeline-costs", "f=1,b=1.2,w=0.8")) == []
