@@ -1,6 +1,19 @@
-"""Fixtures shared by the tests of several directories."""
+"""Fixtures and settings shared by the tests of several directories."""
+
+import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests draw the same examples on every run (derandomized), so the suite's time and
+# verdict do not change from run to run and a CI failure reproduces locally as is. Schedules take
+# up to seconds to build, so no per-example deadline. HYPOTHESIS_PROFILE=explore draws new random
+# examples each run (and keeps failing ones in .hypothesis/) when looking for new bugs.
+settings.register_profile("repeatable", derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture

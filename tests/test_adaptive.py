@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from megatron_vshape.schedules import BuildingBlock, Costs, Kind, Placement, ScheduleError, simulate, validate
 from megatron_vshape.schedules.adaptive import (
     GapPattern,
-    _block,
     _collision_free_joins,
     _leg_patterns,
     candidate_blocks,
@@ -21,7 +20,7 @@ from megatron_vshape.schedules.adaptive import (
     lowest_reachable_limit,
     v_auto,
 )
-from megatron_vshape.schedules.v_schedules import v_half_block, v_min_block
+from megatron_vshape.schedules.v_schedules import v_block, v_half_block, v_min_block
 from megatron_vshape.schedules.zero_bubble import v_zb
 
 EQUAL = Costs()
@@ -61,7 +60,7 @@ def test_enumerated_blocks_are_collision_free_and_place_w_optimally(d, pick):
     legs = patterns[pick % len(patterns)]
     placement = Placement.v_shape(d)
     for joins in list(_collision_free_joins(legs))[:3]:
-        block = _block(placement, GapPattern(*legs, joins).starts())
+        block = v_block(GapPattern(*legs, joins).starts())
         assert block.collisions() == []
         fb = {key: slot for key, slot in block.offsets.items() if key[0] is not Kind.W}
         for device, stages in enumerate(placement.stages_per_device):
@@ -78,7 +77,6 @@ def test_enumerated_blocks_are_collision_free_and_place_w_optimally(d, pick):
 @pytest.mark.parametrize("d", [4, 8])
 def test_joins_search_finds_exactly_the_collision_free_ones(d):
     """Against brute force over all 6^3 joins, for a few gap patterns."""
-    placement = Placement.v_shape(d)
     n = d - 1
     for gaps in ((1, 1, 1, 1), (2, 1, 2, 1), (1, 2, 1, 2), (3, 3, 3, 3), (2, 3, 1, 2)):
         legs = tuple((g,) * n for g in gaps)
@@ -91,7 +89,7 @@ def test_joins_search_finds_exactly_the_collision_free_ones(d):
                 brute.add(joins)
         assert found == brute
         for joins in found:
-            assert _block(placement, GapPattern(*legs, joins).starts()).collisions() == []
+            assert v_block(GapPattern(*legs, joins).starts()).collisions() == []
 
 
 def test_candidate_blocks_fit_1f1b_memory_and_are_distinct():
