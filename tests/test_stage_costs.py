@@ -249,6 +249,9 @@ def test_v_auto_respects_a_memory_limit_under_per_stage_memory():
     peak = simulate(schedule, HEAVY_V).peak_memory_max
     assert peak <= limit * one_f_one_b_peak(4, HEAVY_V) + 1e-9
     assert schedule.meta["memory_limit_units"] == pytest.approx(limit * one_f_one_b_peak(4, HEAVY_V))
+    # Only a low greedy cap fits here (device 0 holds the heavy last stage); its name gives the
+    # cap under the per-stage memory (2: one microbatch on both chunks, (1 + 3) / 2), not today's 1.
+    assert schedule.meta["candidate"] == "greedy cap 2" == f"greedy cap {schedule.meta['greedy_cap_units']:g}"
 
 
 @pytest.mark.parametrize("name", ["gpipe", "interleaved-1f1b"])

@@ -245,6 +245,13 @@ class GreedyCandidate:
         return best_greedy(family, self.num_devices, num_microbatches, costs)
 
 
+def _label(candidate: Candidate, costs: Costs) -> str:
+    """The candidate's name for ``meta``: a greedy cap is stated under the costs' per-stage memory."""
+    if isinstance(candidate, GreedyCandidate) and candidate.fraction < 1:
+        return f"greedy cap {candidate.memory_bound(costs):g}"
+    return candidate.label
+
+
 def _cap_for(num_devices: int, fraction: float, costs: Costs) -> float:
     """The greedy cap under ``costs``: ``_cap_units`` when memory is uniform; otherwise
     ``fraction`` x 1F1B's peak under the per-stage memory, at least one microbatch on both
@@ -433,7 +440,7 @@ def v_auto(num_devices: int, num_microbatches: int, costs: Costs = Costs(), memo
     meta = {
         "memory_limit": memory_limit,
         "memory_limit_units": memory_limit * one_f_one_b_peak(num_devices, costs),
-        "candidate": chosen.candidate.label,
+        "candidate": _label(chosen.candidate, costs),
         "exact_search": chosen.exact,
     }
     if isinstance(chosen.candidate, BlockCandidate):
