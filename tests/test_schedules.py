@@ -123,7 +123,7 @@ def test_schedules_adapt_to_costs():
     [
         ("nope", 4, 8, "unknown schedule"),
         ("v-half", 0, 8, "at least 1 pipeline device"),
-        ("interleaved-1f1b", 4, 3, "at least 4 microbatches"),
+        ("interleaved-1f1b", 4, 3, "needs a multiple of 4 microbatches"),
     ],
 )
 def test_bad_requests_have_clear_errors(name, d, m, fragment):
