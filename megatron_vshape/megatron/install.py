@@ -414,8 +414,9 @@ class ChunkBuilder:
         self.is_v = args.pipeline_schedule in V_SCHEDULE_NAMES
         self._chunks: list = []
 
-    def build(self, make, pre_process, post_process, vp_stage, pg_collection):
-        """``make(pre_process, post_process, vp_stage, pg_collection)`` builds one megatron module."""
+    def build(self, make, pre_process, post_process, vp_stage, pg_collection, config=None):
+        """``make(pre_process, post_process, vp_stage, pg_collection)`` builds one megatron module;
+        ``config``: the TransformerConfig it builds from, when built beforehand (config containers)."""
         import contextlib
 
         from megatron.core import parallel_state
@@ -427,7 +428,7 @@ class ChunkBuilder:
             from .dropout_seed import invariant_init
 
             context = invariant_init(self.args.seed, parallel_state.get_tensor_model_parallel_rank())
-        with context, self._layout_for_build():
+        with context, self._layout_for_build(config):
             model = make(pre_process, post_process, vp_stage, pg_collection)
         self._check_layers(model, vp_stage)
         if self.is_v:
@@ -440,10 +441,12 @@ class ChunkBuilder:
         return model
 
     @contextlib.contextmanager
-    def _layout_for_build(self):
-        """On a V with an uneven --pipeline-layout, the config built from args (inside the model
-        provider) gets megatron's layout class that answers for V chunks (runtime.layer_layout).
-        Only while building: args keep the text, which checkpoints store and reload safely."""
+    def _layout_for_build(self, config=None):
+        """On a V with an uneven --pipeline-layout, the model gets megatron's layout class that answers
+        for V chunks (runtime.layer_layout): a ``config`` built beforehand (config containers) keeps it
+        for good (its sharded_state_dict asks later); a config the provider builds from args gets it
+        because args carry it while the provider runs. Args keep the text otherwise: checkpoints
+        store args and reload them with only safe classes."""
         layers = layout.counts(self.args)
         if not self.is_v or layers is None:
             yield
@@ -454,6 +457,8 @@ class ChunkBuilder:
         from megatron_vshape.schedules import Placement
 
         placement = Placement.v_shape(parallel_state.get_pipeline_model_parallel_world_size())
+        if config is not None and getattr(config, "pipeline_model_parallel_layout", None) is not None:
+            config.pipeline_model_parallel_layout = megatron_layout(layers, placement)
         text = self.args.pipeline_model_parallel_layout
         self.args.pipeline_model_parallel_layout = megatron_layout(layers, placement)
         try:
@@ -533,7 +538,8 @@ def _wrap_model_construction(args) -> None:
     @functools.wraps(original_build)
     def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
         return builder.build(lambda pre, post, vp, pgs: original_build(self, pgs, pre, post, vp),
-                             pre_process, post_process, vp_stage, pg_collection)
+                             pre_process, post_process, vp_stage, pg_collection,
+                             config=getattr(getattr(self, "_model_config", None), "transformer", None))
 
     build_model._vshape = True
     GPTModelBuilder.build_model = build_model

@@ -149,3 +149,20 @@ def test_measured_costs_are_refused_with_an_uneven_layout():
     message = one_problem(training_args("--pipeline-layout", "0,2,1,1,1,1,2,0", "--pipeline-costs", "auto"))
     assert message.startswith("--pipeline-costs auto cannot re-plan an uneven --pipeline-layout")
     assert problems(training_args("--pipeline-layout", "0,2,1,1,1,1,2,0", "--pipeline-costs", "f=1,b=1.2,w=0.8")) == []
+
+
+def test_a_config_built_beforehand_gets_the_v_layout_for_good(monkeypatch):
+    """Config containers (Megatron-LM's pretrain_gpt.py) build the TransformerConfig before any chunk:
+    its layout is replaced by the V-aware one and kept (sharded_state_dict asks it at save time)."""
+    from megatron.core import parallel_state
+
+    from megatron_vshape.megatron.install import ChunkBuilder
+    from megatron_vshape.runtime.layer_layout import VShapeLayerLayout
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: 4)
+    args = validate(training_args("--pipeline-layout", "0,2,1,1,1,1,2,0"))
+    config = argparse.Namespace(pipeline_model_parallel_layout="megatron's own, from the text")
+    with ChunkBuilder(args)._layout_for_build(config):
+        assert isinstance(args.pipeline_model_parallel_layout, VShapeLayerLayout)  # for configs built from args
+    assert isinstance(config.pipeline_model_parallel_layout, VShapeLayerLayout)
+    assert args.pipeline_model_parallel_layout == "E|tt|t|t|t|t|tt|L"  # args (pickled in checkpoints) keep text

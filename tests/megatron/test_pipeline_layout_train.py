@@ -1,9 +1,10 @@
 """--pipeline-layout in Megatron's training loop (scripts/pretrain_gpt.py, 4 gloo ranks, megatron.training 0.19).
 
 Two launches of a tiny GPT whose vocabulary (1024) makes the LM head worth several layers:
-V-Half with the uniform split saves a torch_dist checkpoint at iteration 3; V-Half with
-``--pipeline-layout balanced`` (the planner moves layers off device 0) loads it and trains
-iterations 4-5. The checkpoint crosses layouts (global layer numbers in its keys), and the uneven
+V-Half with the uniform split saves a torch_dist checkpoint at iteration 3 (scripts/pretrain_gpt.py);
+V-Half with ``--pipeline-layout balanced`` (the planner moves layers off device 0) loads it and
+trains iterations 4-5 through the runner and Megatron-LM's own pretrain_gpt.py, whose config
+container builds the model from a config made before any chunk (the path that once ignored the layout). The checkpoint crosses layouts (global layer numbers in its keys), and the uneven
 run computes what the uniform run computes: the layout does not change the maths.
 """
 
@@ -11,6 +12,7 @@ import re
 
 import pytest
 from glue_support import ROOT, torchrun
+from test_real_client import client_dir  # noqa: F401 (fixture: the Megatron-LM checkout, skipped without one)
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -24,16 +26,17 @@ LAYOUT = re.compile(r"\[vshape\] pipeline layout: ([0-9,]+) transformer layers p
 
 
 @pytest.fixture(scope="module")
-def runs(mc19_python, tmp_path_factory):
-    script = str(ROOT / "scripts" / "pretrain_gpt.py")
+def runs(mc19_python, client_dir, tmp_path_factory):  # noqa: F811 (the imported fixture)
     ckpt = tmp_path_factory.mktemp("ckpt")
     launches = {
-        "uniform": [*TINY, "--save", str(ckpt), "--save-interval", "3"],
-        "balanced": [*TINY, "--pipeline-layout", "balanced", "--load", str(ckpt), "--ckpt-step", "3"],
+        "uniform": ([str(ROOT / "scripts" / "pretrain_gpt.py")], [*TINY, "--save", str(ckpt), "--save-interval", "3"]),
+        "balanced": (["-m", "megatron_vshape.run", str(client_dir / "pretrain_gpt.py")],
+                     [*TINY, "--pipeline-layout", "balanced", "--load", str(ckpt), "--ckpt-step", "3",
+                      "--eval-interval", "5", "--eval-iters", "1"]),
     }
     out = {}
-    for name, args in launches.items():
-        result = torchrun(mc19_python, 4, [script], args, timeout=240)
+    for name, (entry, args) in launches.items():
+        result = torchrun(mc19_python, 4, entry, args, timeout=240)
         assert result.returncode == 0, f"{name}:\n{result.stdout[-5000:]}"
         out[name] = result.stdout
     return out
