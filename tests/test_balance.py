@@ -4,6 +4,7 @@ import pytest
 
 from megatron_vshape.planner.balance import (
     MIN_STAGE_WORK,
+    StageExtras,
     choose_layout,
     default_costs,
     device_work,
@@ -135,3 +136,15 @@ def test_uniform_reference_is_timed_on_the_order_training_builds():
     result = simulate(get_schedule("v-zb", 4, 16, costs), staged)
     assert choice.reference_name == "uniform"
     assert result.makespan_total == pytest.approx(choice.reference_time)
+
+
+def test_measured_extras_replace_the_flops_model():
+    """A measurement that finds the head cheap keeps the uniform split; a heavy embedding moves
+    layers off the first stage instead of the last."""
+    cheap_head = StageExtras(head=(0.0, 0.0, 0.0))
+    assert choose_layout(HEAD_HEAVY, "1f1b", 4, 16, extras=cheap_head).layers_per_stage == (4, 4, 4, 4)
+    heavy_embedding = StageExtras(embedding=(3.0, 3.0, 3.0))
+    counts = choose_layout(HEAD_HEAVY, "1f1b", 4, 16, extras=heavy_embedding).layers_per_stage
+    assert counts[0] < 4 and counts[-1] >= 4, counts
+    with pytest.raises(ValueError, match="stage extras must be three numbers >= 0"):
+        StageExtras(head=(1.0, -1.0, 0.0))

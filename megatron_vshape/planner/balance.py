@@ -75,29 +75,46 @@ def _layer_flops(model: GPTModel) -> tuple[float, float, float]:
     return model.layer_flops(1)
 
 
-def _head_flops(model: GPTModel) -> tuple[float, float, float]:
-    head = model.head_flops(1)
-    return head, head, head  # logits GEMM; its input gradient; its weight gradient
+@dataclass(frozen=True)
+class StageExtras:
+    """Work besides the transformer layers, in layers' worth of (F, B, W): the embedding on the
+    first stage, the final norm, LM head and loss on the last. :meth:`from_flops` is the FLOPs
+    model; a measurement (e.g. scripts/bench_layout.py's calibration run) may give other values."""
+
+    embedding: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    head: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        values = (*self.embedding, *self.head)
+        if len(self.embedding) != 3 or len(self.head) != 3 or not all(v >= 0 for v in values):
+            raise ValueError(f"stage extras must be three numbers >= 0 each (F, B, W); got {self}")
+
+    @classmethod
+    def from_flops(cls, model: GPTModel) -> StageExtras:
+        """Embedding free; the head's logits GEMM, its input gradient (B) and weight gradient (W)."""
+        head = model.head_flops(1)
+        return cls((0.0, 0.0, 0.0), tuple(head / per_layer for per_layer in _layer_flops(model)))
 
 
-def stage_work(model: GPTModel, layers_per_stage, flash_attention: bool = False) -> tuple[StageWork, ...]:
+def stage_work(model: GPTModel, layers_per_stage, flash_attention: bool = False,
+               extras: StageExtras | None = None) -> tuple[StageWork, ...]:
     """Each stage's (F, B, W, memory) relative to a uniform stage of ``L / len(layers_per_stage)`` layers.
 
-    Stage 0 holds the embedding (free), the last stage the final norm, LM head and loss.
+    Stage 0 holds the embedding, the last stage the final norm, LM head and loss (``extras``;
+    default :meth:`StageExtras.from_flops`).
     """
     layers = tuple(layers_per_stage)
     num_stages = len(layers)
     unit = model.layers / num_stages
-    layer = _layer_flops(model)
-    head = _head_flops(model)
+    extras = extras or StageExtras.from_flops(model)
     act = model.activation_bytes(1, 1, flash_attention)
     logits = model.logits_bytes(1, 1)
     out = []
     for stage, count in enumerate(layers):
-        last = stage == num_stages - 1
-        flops = [count * per_layer + (extra if last else 0.0) for per_layer, extra in zip(layer, head)]
+        first, last = stage == 0, stage == num_stages - 1
+        work = [count + (e if first else 0.0) + (h if last else 0.0) for e, h in zip(extras.embedding, extras.head)]
         memory = count * act + (logits if last else 0.0)
-        ratios = [x / (unit * per_layer) for x, per_layer in zip((*flops, memory), (*layer, act))]
+        ratios = [x / unit for x in work] + [memory / (unit * act)]
         out.append(StageWork(*(max(r, MIN_STAGE_WORK) for r in ratios)))
     return tuple(out)
 
@@ -166,12 +183,14 @@ def _apportion(total: int, weights: list[float], floors: list[int]) -> list[int]
     return [c + b for c, b in zip(counts, base)]
 
 
-def proportional_layout(model: GPTModel, placement: Placement, costs: Costs) -> tuple[int, ...]:
+def proportional_layout(model: GPTModel, placement: Placement, costs: Costs,
+                        extras: StageExtras | None = None) -> tuple[int, ...]:
     """Each device gets layers in proportion to what its stages' head/embedding leave of the mean work;
     within a device, layers go where they even out the stages' work."""
     num_stages, per_device = placement.num_stages, placement.stages_per_device
-    probe = stage_work(model, (0,) * num_stages)  # the extras alone (head on the last stage)
-    per_layer = stage_time(stage_work(model, (1,) + (0,) * (num_stages - 1))[0], placement, costs)
+    probe = stage_work(model, (0,) * num_stages, extras=extras)  # the extras alone (embedding, head)
+    # One layer is 1/unit of a uniform stage (unit = L / num_stages layers) in each of F, B, W.
+    per_layer = (costs.f + costs.b + costs.w) * placement.layer_scale * num_stages / model.layers
     extras = device_work(probe, placement, costs)
     mean = (model.layers * per_layer + sum(extras)) / placement.num_devices
     floors = [sum(1 for s in stages if 0 < s < num_stages - 1) for stages in per_device]
@@ -199,12 +218,15 @@ class _Scorer:
     flash_attention: bool
     memory_limit: float | None
     placement: Placement
+    extras: StageExtras | None = None
     evaluated: int = 0
     orders: dict[tuple, Schedule] = field(default_factory=dict)
 
+    def works(self, layers) -> tuple[StageWork, ...]:
+        return stage_work(self.model, layers, self.flash_attention, self.extras)
+
     def costs_for(self, layers) -> Costs:
-        works = stage_work(self.model, layers, self.flash_attention)
-        return self.costs.with_stages(works)
+        return self.costs.with_stages(self.works(layers))
 
     def build(self, layers, num_microbatches: int | None = None, shared: bool = False,
               base_order: bool = False) -> Schedule:
@@ -257,7 +279,7 @@ def _shortlist(scorer: _Scorer, layouts) -> list[tuple[int, ...]]:
     (the fill and drain pass through every stage). Which of equally loaded layouts is fastest
     depends on where the bottleneck sits, which only the simulator tells, hence a long list."""
     def key(layers):
-        works = stage_work(scorer.model, layers, scorer.flash_attention)
+        works = scorer.works(layers)
         load = device_work(works, scorer.placement, scorer.costs)
         stage = [x.f + x.b + x.w for x in works]
         return round(max(load), 9), round(sum(x * x for x in stage), 9), layers
@@ -278,12 +300,14 @@ def _search_size(name: str, num_devices: int, num_microbatches: int) -> int:
 
 
 def choose_layout(model: GPTModel, schedule_name: str, pp: int, num_microbatches: int, costs: Costs | None = None,
-                  memory_limit: float | None = None, flash_attention: bool = False) -> LayoutChoice:
+                  memory_limit: float | None = None, flash_attention: bool = False,
+                  extras: StageExtras | None = None) -> LayoutChoice:
     """The layout (layers per global stage) with the shortest simulated iteration of ``schedule_name``.
 
     ``costs``: F, B, W of one V chunk (L/(2d) layers, as everywhere in the schedule core) and a
     message (default: :func:`default_costs`).
     ``memory_limit``: v-auto's limit (a fraction of 1F1B's peak), passed to its generator.
+    ``extras``: the embedding's and head's work (default: from FLOPs, :meth:`StageExtras.from_flops`).
     Raises ScheduleError for unknown schedules or too few microbatches, ValueError (one line) if
     the model has fewer layers than the schedule has middle stages.
     """
@@ -295,9 +319,9 @@ def choose_layout(model: GPTModel, schedule_name: str, pp: int, num_microbatches
         raise ValueError(f"--pipeline-layout: {model.layers} layers cannot fill the {num_stages - 2} middle stages "
                          f"of {schedule_name} on {pp} devices; use fewer pipeline devices")
     scorer = _Scorer(model, schedule_name, pp, num_microbatches, costs or default_costs(model), flash_attention,
-                     memory_limit, placement)
+                     memory_limit, placement, extras)
     reference_name, reference = reference_layout(model.layers, num_stages)
-    start = proportional_layout(model, placement, scorer.costs)
+    start = proportional_layout(model, placement, scorer.costs, extras)
     best = _local_search(scorer, start, _search_size(schedule_name, pp, num_microbatches))
     # Final verdict at the real size, each layout with its own generated order.
     ref_time, ref_peak = _verdict(scorer, reference, reference=True)
@@ -336,8 +360,7 @@ def _verdict(scorer: _Scorer, layers, reference: bool = False) -> tuple[float, f
     if t2 == INFINITY:
         return INFINITY, INFINITY
     # Each extra microbatch costs at least the busiest device's work for one microbatch.
-    per_microbatch = max(device_work(stage_work(scorer.model, layers, scorer.flash_attention), scorer.placement,
-                                     scorer.costs))
+    per_microbatch = max(device_work(scorer.works(layers), scorer.placement, scorer.costs))
     return t2 + max((t2 - t1) / (sizes[1] - sizes[0]), per_microbatch) * (m - sizes[1]), peak
 
 
