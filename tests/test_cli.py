@@ -200,13 +200,27 @@ def test_import_errors(tmp_path, capsys):
     ]:
         code, _, err = run(capsys, "import", "-f", "torch-csv", str(path), *argv)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
-    # An order that deadlocks is caught by validation: swap the two rows' stages order.
+    # A pass before its own dependency on the same device (B1.0 before F1.0) is caught by validation.
     broken = tmp_path / "broken.csv"
     broken.write_text("0F0,3F0,3I0,3W0,0F1,0I0,0W0,3F1,3I1,3W1,0I1,0W1\n1I0,1F0,2F0,2I0,1W0,1F1,2F1,2I1,1I1,1W1,2W0,2W1\n")
     code, _, err = run(capsys, "import", "-f", "torch-csv", str(broken), "--placement", "v")
-    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "before its dependency" in err
     code, _, err = run(capsys, "import", "-f", "torch-csv", str(tmp_path / "missing.csv"), "--placement", "v")
     assert code == 2 and "missing.csv" in err
+
+
+def test_import_refuses_an_order_that_deadlocks_across_devices(tmp_path, capsys):
+    """Each device's own order is fine, but device 0 waits for microbatch 0's gradient, which
+    device 1 computes only after microbatch 1's forward, which device 0 sends only after that wait."""
+    path = tmp_path / "deadlock.csv"
+    path.write_text("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
+    code, _, err = run(capsys, "import", "-f", "torch-csv", str(path), "--placement", "looped")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "deadlocks" in err and "device 0 waits" in err and "device 1 waits" in err
+    # Device 0 sending both forwards before its first backward breaks the cycle: the order runs.
+    path.write_text("0F0,0F1,0B0,0B1\n1F1,1B1,1F0,1B0\n")
+    code, out, err = run(capsys, "import", "-f", "torch-csv", str(path), "--placement", "looped")
+    assert code == 0 and "validated:    ok" in out, err
 
 
 @pytest.mark.parametrize("fmt", ["chrome-trace", "grid", "json", "text", "torch-csv"])
