@@ -495,7 +495,7 @@ def _run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refer
         "eval_loss_abs_err": _loss_err(eval_store, reference) if optimizer is None else 0.0,
         "num_eval_losses": len(eval_store),
         "peak_activation_bytes": meter.peak_bytes,
-        "predicted_peak_units": simulate(schedule, Costs()).peak_memory[pp_rank],
+        "predicted_peak_units": simulate(schedule, costs).peak_memory[pp_rank],  # per-stage work with a layout
     }
 
 
