@@ -3,13 +3,20 @@
     python scripts/bench_layout.py [--schedule v-half] [--pp 4] [--iters 10] [--json FILE]
 
 A tiny GPT whose vocabulary makes the LM head worth several layers (default: 16 layers, hidden
-256, vocabulary 12288, sequence 64, microbatch 2: by FLOPs the head is about 3.8 layers). Both
-layouts are built in one process group, the uniform split and the one ``--pipeline-layout
-balanced`` picks (the planner's FLOPs model, :func:`megatron_vshape.planner.balance.choose_layout`),
-and their iterations alternate (uniform, balanced, uniform, ...), so that load from other
-processes on a shared machine hits both alike. Each iteration's time is the slowest rank's; the
-table reports medians after ``--warmup`` iterations, and balanced / uniform both as the ratio of
-the medians and as the median of each step's pair (the two runs of a step are back to back).
+256, vocabulary 12288, sequence 64, microbatch 2: by FLOPs the head is about 3.8 layers). Three
+layouts are built in one process group: the uniform split; ``balanced``, the one
+``--pipeline-layout balanced`` picks in training (the planner's FLOPs model,
+:func:`megatron_vshape.planner.balance.choose_layout`); and ``balanced-measured``, chosen the same
+way from per-stage pass times measured on the uniform layout first (``--calibration`` iterations:
+on CPU small layers are overhead-bound while the head is one large GEMM, so FLOPs misjudge it).
+Their iterations rotate (uniform, balanced, measured; balanced, measured, uniform; ...), so that
+load from other processes hits all alike. Each iteration's wall and CPU time is the slowest
+rank's; the table reports medians after ``--warmup`` iterations, each layout / uniform both as the
+ratio of the medians and as the median of each step's pair (runs of a step are back to back).
+
+Ranks need a core each for a balanced pipeline to show: with more ranks than free cores, an idle
+rank's core goes to another rank and the iteration time tends to total work / cores, which no
+layout changes.
 """
 
 from __future__ import annotations
@@ -22,10 +29,10 @@ from dataclasses import replace
 
 from megatron_vshape.verify import ModelSettings, build_gpt, forward_step, make_config, microbatch, spawn
 
-LAYOUTS = ("uniform", "balanced")
+FLOPS, MEASURED = "balanced", "balanced-measured"
 
 
-def _worker(rank, world_size, model: ModelSettings, schedule: str, counts: dict, microbatches, warmup, iters):
+def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches, warmup, iters, calibration):
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -38,21 +45,75 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, counts: dict,
     model_parallel_cuda_manual_seed(model.seed)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     data = [dict(microbatch(model, i), index=i) for i in range(microbatches)]
-    rows = {name: _build(schedule, model, world_size, pp_rank, counts[name]) for name in LAYOUTS}
-    times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
-    losses: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    uniform, flops_choice = choose(model, schedule, world_size, microbatches)
+    rows = {"uniform": _build(schedule, model, world_size, pp_rank, uniform, record_timeline=True)}
+    # Calibration: per-stage F/B/W times of the uniform layout give the head's real cost in layers.
+    stage_times = _stage_times(rows["uniform"], data, model, microbatches, len(uniform), calibration)
+    costs, extras = measured_costs(stage_times, uniform, model.num_layers, world_size)
+    measured_choice = choose_layout(_planner_model(model), schedule, world_size, microbatches, costs, extras=extras)
+    counts = {"uniform": uniform, FLOPS: flops_choice.layers_per_stage, MEASURED: measured_choice.layers_per_stage}
+    for name in (FLOPS, MEASURED):
+        rows[name] = _build(schedule, model, world_size, pp_rank, counts[name])
+    names = list(rows)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for step in range(warmup + iters):
-        # Alternate which layout goes first, so neither always follows the other.
-        for name in LAYOUTS if step % 2 == 0 else reversed(LAYOUTS):
-            wall, loss = _time_iteration(*rows[name], data, model, microbatches)
+        # Rotate which layout goes first, so none always follows another.
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            wall, busy = _time_iteration(*rows[name], data, model, microbatches)
             if step >= warmup:
                 times[name].append(wall)
-            losses[name].append(loss)
+                cpu[name].append(busy)
     parallel_state.destroy_model_parallel()
-    return {"times": times, "losses": losses}
+    predicted = {"uniform": 1.0, FLOPS: flops_choice.iteration_time / flops_choice.reference_time,
+                 MEASURED: measured_choice.iteration_time / measured_choice.reference_time}
+    return {"times": times, "cpu": cpu, "counts": counts, "predicted": predicted, "stage_times": stage_times,
+            "extras": {"embedding": extras.embedding, "head": extras.head}}
 
 
-def _build(schedule, model, world_size, pp_rank, counts):
+def choose_layout(*args, **kwargs):
+    from megatron_vshape.planner.balance import choose_layout as choose
+
+    return choose(*args, **kwargs)
+
+
+def _stage_times(row, data, model, microbatches, num_stages, iterations) -> list[list[float]]:
+    """Mean seconds of one F, B and W pass per global stage (rows F, B, W), over all ranks."""
+    import torch
+
+    sums = torch.zeros(3, num_stages, dtype=torch.float64)
+    counts = torch.zeros(3, num_stages, dtype=torch.float64)
+    for _ in range(iterations):
+        _time_iteration(*row, data, model, microbatches)
+        for action, start, end in row[0].last_timeline:
+            kind = "FBW".index(action.kind.value)
+            sums[kind, action.stage] += end - start
+            counts[kind, action.stage] += 1
+    torch.distributed.all_reduce(sums)
+    torch.distributed.all_reduce(counts)
+    return (sums / counts.clamp(min=1)).tolist()
+
+
+def measured_costs(stage_times, counts, num_layers: int, pp: int):
+    """(Costs of one V chunk, StageExtras) from a uniform layout's per-stage pass times.
+
+    A layer's F/B/W is the middle stages' mean per layer; the first and last stages' surplus over
+    their layers is the embedding's and the head's work, in layers' worth."""
+    from megatron_vshape.planner.balance import StageExtras
+    from megatron_vshape.schedules import Costs
+
+    middle = range(1, len(counts) - 1)
+    per_layer = [sum(stage_times[k][s] / counts[s] for s in middle) / len(middle) for k in range(3)]
+
+    def surplus(stage: int) -> tuple[float, float, float]:
+        return tuple(max(stage_times[k][stage] / per_layer[k] - counts[stage], 0.0) for k in range(3))
+
+    chunk = num_layers / (2 * pp)  # the schedule core's unit: one V chunk
+    costs = Costs(*(chunk * t for t in per_layer))
+    return costs, StageExtras(embedding=surplus(0), head=surplus(len(counts) - 1))
+
+
+def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False):
     """(forward-backward function, DDP chunks) of ``schedule`` with ``counts`` layers per stage."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -67,8 +128,8 @@ def _build(schedule, model, world_size, pp_rank, counts):
     uneven = len(set(counts)) > 1
     # As training builds it: per-stage work (LM head included) only for an uneven layout.
     costs = layout_costs(Costs(), counts, stage_work(planner, counts)) if uneven else Costs()
-    func = build_forward_backward_func(schedule, costs=costs)
-    placement = func.schedule(world_size, 1).placement
+    func = build_forward_backward_func(schedule, costs=costs, record_timeline=record_timeline)
+    placement = func.schedule(world_size, 8).placement
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
     layout = megatron_layout(counts, placement) if uneven else None
     config = make_config(model, world_size, 1, vp, False, layout)
@@ -79,7 +140,9 @@ def _build(schedule, model, world_size, pp_rank, counts):
 
 
 def _time_iteration(func, ddp, data, model, microbatches) -> tuple[float, float]:
-    """(wall seconds of the slowest rank, mean loss on the last stage's rank or 0) of one iteration."""
+    """(wall seconds, CPU seconds) of one iteration, each the slowest rank's. The busiest rank's
+    CPU time is the work of the device that sets the pace, and is less sensitive than wall time
+    to other processes sharing the cores."""
     import time
 
     import torch
@@ -88,14 +151,13 @@ def _time_iteration(func, ddp, data, model, microbatches) -> tuple[float, float]
         m.zero_grad_buffer()
     iterators = [iter(data) for _ in ddp]
     torch.distributed.barrier()
-    start = time.perf_counter()
-    out = func(forward_step_func=forward_step, data_iterator=iterators if len(ddp) > 1 else iterators[0],
+    start, cpu_start = time.perf_counter(), time.process_time()
+    func(forward_step_func=forward_step, data_iterator=iterators if len(ddp) > 1 else iterators[0],
                model=ddp if len(ddp) > 1 else ddp[0], num_microbatches=microbatches,
                seq_length=model.seq_length, micro_batch_size=model.micro_batch_size)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64)
     torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
-    losses = [float(x["lm loss"]) for x in out or []]
-    return elapsed.item(), (sum(losses) / len(losses) if losses else 0.0)
+    return elapsed[0].item(), elapsed[1].item()
 
 
 def _planner_model(model: ModelSettings):
@@ -107,7 +169,7 @@ def _planner_model(model: ModelSettings):
 
 def choose(model: ModelSettings, schedule: str, pp: int, microbatches: int):
     """(uniform counts, LayoutChoice) as ``--pipeline-layout uniform`` / ``balanced`` pick them."""
-    from megatron_vshape.planner.balance import choose_layout, placement_for
+    from megatron_vshape.planner.balance import placement_for
     from megatron_vshape.schedules.stage_layout import uniform_layout
 
     stages = placement_for(schedule, pp).num_stages
@@ -127,49 +189,54 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--calibration", type=int, default=2,
+                        help="iterations of the uniform layout timed per pass to measure the head's cost")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     if args.pp < 2:
         parser.error("--pp must be >= 2 (a pipeline)")
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.iters < 1 or args.warmup < 0 or args.calibration < 1:
+        parser.error("--iters and --calibration must be >= 1 and --warmup >= 0")
     model = replace(ModelSettings(), num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                     seq_length=args.seq, vocab_size=args.vocab, micro_batch_size=args.micro_batch)
     try:
-        uniform, choice = choose(model, args.schedule, args.pp, args.microbatches)
-    except ValueError as error:  # bad sizes: one line naming the problem
+        choose(model, args.schedule, args.pp, args.microbatches)  # bad sizes fail here, in one line
+    except ValueError as error:
         parser.error(" ".join(str(error).split()))
-    counts = {"uniform": uniform, "balanced": choice.layers_per_stage}
-    (result, *_) = spawn(_worker, args.pp, (model, args.schedule, counts, args.microbatches, args.warmup,
-                                             args.iters), timeout=args.timeout)
-    report = _report(args, counts, choice, result)
+    (result, *_) = spawn(_worker, args.pp, (model, args.schedule, args.microbatches, args.warmup, args.iters,
+                                             args.calibration), timeout=args.timeout)
+    report = _report(args, result)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)
     return 0
 
 
-def _report(args, counts, choice, result) -> dict:
-    times = result["times"]
-    median = {name: statistics.median(times[name]) for name in LAYOUTS}
-    ratio = median["balanced"] / median["uniform"]
-    # The two runs of one step ran back to back, under the same outside load: their ratio is the
+def _report(args, result) -> dict:
+    times, counts, predicted = result["times"], result["counts"], result["predicted"]
+    median = {name: statistics.median(t) for name, t in times.items()}
+    cpu = {name: statistics.median(t) for name, t in result["cpu"].items()}
+    # The runs of one step ran back to back, under the same outside load: their ratio is the
     # steadier statistic on a shared machine.
-    paired = statistics.median(b / u for u, b in zip(times["uniform"], times["balanced"]))
-    predicted = choice.iteration_time / choice.reference_time
+    paired = {name: statistics.median(x / u for u, x in zip(times["uniform"], t)) for name, t in times.items()}
+    extras = result["extras"]
     print(f"{args.schedule}, pp={args.pp}, m={args.microbatches}: {args.layers} layers, hidden {args.hidden}, "
           f"vocab {args.vocab}, seq {args.seq}, microbatch {args.micro_batch} "
-          f"(median of {args.iters} alternating iterations after {args.warmup} warm-up; slowest rank)")
-    for name in LAYOUTS:
+          f"(median of {args.iters} rotating iterations after {args.warmup} warm-up; slowest rank)")
+    print("  measured on the uniform layout, in layers' worth of F/B/W: head "
+          + "/".join(f"{x:.2f}" for x in extras["head"]) + ", embedding "
+          + "/".join(f"{x:.2f}" for x in extras["embedding"]))
+    print(f"  {'layout':18s} {'layers per stage':24s} {'median ms':>10s}  {'/ uniform':>9s}  {'paired':>7s}  "
+          f"{'busiest CPU ms':>14s}  {'/ uniform':>9s}  {'predicted':>9s}")
+    for name in times:
         layers = ",".join(str(c) for c in counts[name])
-        spread = f"{min(times[name]) * 1e3:.0f}..{max(times[name]) * 1e3:.0f}"
-        print(f"  {name:9s} {layers:24s} median {median[name] * 1e3:8.1f} ms  (range {spread} ms)")
-    print(f"  balanced / uniform: {ratio:.3f} (medians), {paired:.3f} (median of per-step pairs); "
-          f"planner predicted {predicted:.3f}")
+        print(f"  {name:18s} {layers:24s} {median[name] * 1e3:10.1f}  {median[name] / median['uniform']:9.3f}  "
+              f"{paired[name]:7.3f}  {cpu[name] * 1e3:14.1f}  {cpu[name] / cpu['uniform']:9.3f}  "
+              f"{predicted[name]:9.3f}")
     return {"config": vars(args), "layouts": {k: list(v) for k, v in counts.items()}, "times_s": times,
-            "median_s": median, "ratio": ratio, "paired_ratio": paired, "predicted_ratio": predicted,
-            "losses": result["losses"]}
+            "median_s": median, "cpu_s": result["cpu"], "median_cpu_s": cpu, "paired_ratio": paired, "predicted_ratio": predicted, "extras": extras,
+            "stage_times_s": result["stage_times"]}
 
 
 if __name__ == "__main__":
