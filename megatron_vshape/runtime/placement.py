@@ -9,6 +9,9 @@ read-only :class:`PipelineRankView` reporting that rank. Megatron's TransformerB
 ``pg_collection.pp.rank()`` for the layer offset, so layer numbers (and therefore global parameter
 names and checkpoint keys) come out right without touching megatron. ``pre_process`` and
 ``post_process`` are passed explicitly (rank 0 holds both the first and the last stage on a V).
+Uneven layers per stage (``--pipeline-layout``) go through the config's
+``pipeline_model_parallel_layout`` instead; :mod:`.layer_layout` makes megatron's layout answer for
+the same looped (rank, vp_stage) of each V chunk.
 
 Tied embeddings on a V live on rank 0 (chunk 0 has the embedding, chunk 1 the output layer): the
 chunks get no embedding group, :func:`tie_output_to_embedding` copies the initial weight locally and
