@@ -36,10 +36,17 @@ def test_parse_action_rejects_garbage(bad):
         parse_action(bad)
 
 
+# Up to 8 devices in the fast tier; 9..16 (seconds per schedule to build) in the full run only.
+DEVICES = pytest.mark.parametrize("devices", [(2, 8), pytest.param((9, 16), marks=pytest.mark.slow)],
+                                  ids=["d2-8", "d9-16"])
+
+
 @pytest.mark.parametrize("name", ALL)
+@DEVICES
 @QUICK
-@given(d=st.integers(2, 16), m=st.integers(1, 64), unequal=st.booleans())
-def test_every_schedule_is_valid(name, d, m, unequal):
+@given(data=st.data(), m=st.integers(1, 64), unequal=st.booleans())
+def test_every_schedule_is_valid(name, devices, data, m, unequal):
+    d = data.draw(st.integers(*devices), label="d")
     costs = UNEQUAL if unequal else Costs()
     try:
         schedule = get_schedule(name, d, m, costs)
@@ -59,7 +66,7 @@ def test_1f1b_bubble_is_exact(d, m):
     assert result.bubble_rate == pytest.approx((d - 1) / (m + d - 1), abs=1e-12)
 
 
-@pytest.mark.parametrize("d", range(2, 17))
+@pytest.mark.parametrize("d", [*range(2, 11), *(pytest.param(d, marks=pytest.mark.slow) for d in range(11, 17))])
 def test_v_min_and_v_half_peak_memory(d):
     for m in (2 * d, 3 * d):
         v_min = simulate(get_schedule("v-min", d, m))
@@ -68,7 +75,7 @@ def test_v_min_and_v_half_peak_memory(d):
         assert v_half.peak_memory_max == (d + 2) // 2
 
 
-@pytest.mark.parametrize("d", range(2, 17, 2))
+@pytest.mark.parametrize("d", [2, 4, 6, 8, 10, *(pytest.param(d, marks=pytest.mark.slow) for d in (12, 14, 16))])
 def test_zero_bubble_memory_caps(d):
     m = 2 * d
     assert simulate(get_schedule("v-zb", d, m)).peak_memory_max <= d

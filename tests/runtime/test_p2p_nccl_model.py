@@ -32,9 +32,9 @@ from megatron_vshape.schedules.nccl_model import NcclDeadlock, NcclMismatch, che
 QUEUE_SETTINGS = pytest.mark.parametrize("single_queue", [True, False], ids=["max-connections-1", "streams"])
 
 
-def _sizes(name: str):
+def _sizes(name: str, devices: range = range(2, 17)):
     """PP 2..16 with a few microbatch counts: m = 3 everywhere, m = d and 2d on small sizes, m = d at 6, 8, 16."""
-    for d in range(2, 17):
+    for d in devices:
         counts = {3}
         if d <= 4:
             counts |= {d, 2 * d}
@@ -54,9 +54,11 @@ def _plans(name: str, d: int, m: int) -> tuple[DevicePlan, ...]:
 # --- the policy the runtime uses --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("devices", [range(2, 9), pytest.param(range(9, 17), marks=pytest.mark.slow)],
+                         ids=["pp2-8", "pp9-16"])  # the fast tier stops at PP 8
 @pytest.mark.parametrize("name", [n for n in schedule_names() if n != "v-auto"])
-def test_every_schedule_is_nccl_safe_for_pp_2_to_16(name):
-    for d, m in _sizes(name):
+def test_every_schedule_is_nccl_safe_for_pp_2_to_16(name, devices):
+    for d, m in _sizes(name, devices):
         check_exchange(_plans(name, d, m), single_queue=(True, False))
 
 
