@@ -69,7 +69,11 @@ def simulate(
     work = _work(times, schedule.num_stages, costs.uniform)
     makespan = max(spans, default=0.0)
     most_work = max(work, default=0.0)
-    bubble = 1.0 - most_work / makespan if makespan > 0 else 0.0
+    # The idle share of all devices' time. With uniform costs every device has the same work and this is
+    # the paper's bubble rate; with per-stage costs the lighter devices' idle time (the imbalance a
+    # balanced layout removes) counts too, not only the busiest device's.
+    mean_work = most_work if costs.uniform else sum(work) / len(work) if work else 0.0
+    bubble = 1.0 - mean_work / makespan if makespan > 0 else 0.0
     # Memory deltas per (kind, stage), indexed like the durations (pass id // microbatches).
     deltas = tuple(memory.delta(kind, schedule.activation(stage, costs))
                    for kind in KINDS for stage in range(schedule.num_stages))
