@@ -302,7 +302,8 @@ def test_plan_progress_above_the_size_threshold(capsys, monkeypatch):
     from megatron_vshape.planner import cli as plan_cli
 
     monkeypatch.setattr(plan_cli, "LARGE_SEARCH", 0)
-    assert cli.main([*PLAN_9_6B, "--gpus", "16", "--schedules", "1f1b,v-half"]) == 0
+    # A small search (PP 8 only, no layer layouts): the progress lines are what is checked.
+    assert cli.main([*PLAN_9_6B, "--gpus", "16", "--schedules", "1f1b,v-half", "--pp", "8", "--no-layouts"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("vshape plan: searching 1f1b (1/2, up to ") and err[0].endswith("layouts) ...")
     assert err[-1].startswith("vshape plan: searching v-half (2/2, up to ") and "done in" in err[-1]

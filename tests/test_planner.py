@@ -115,16 +115,17 @@ def test_extrapolated_makespan_matches_an_exact_simulation():
         assert run.makespan == pytest.approx(exact.makespan_total, rel=0.01), name
 
 
-def test_search_finds_the_best_of_an_exhaustive_evaluation(calibrated):
+@pytest.mark.parametrize("gpus", [8, pytest.param(16, marks=pytest.mark.slow)])  # 12 and 20 layouts
+def test_search_finds_the_best_of_an_exhaustive_evaluation(calibrated, gpus):
     model = get_model("9.6b")
     grid = Grid(micro_batch=(1, 4))
     schedules = ["1f1b", "1f1b-r", "v-half", "v-zb"]
-    results = search(schedules, model, calibrated, 16, 64, grid)
+    results = search(schedules, model, calibrated, gpus, 64, grid)
     assert [r.schedule for r in results] == schedules
     for found in results:
         assert found.best is not None and not found.best.oom
         exhaustive = []
-        for layout in layouts(model, 16, 64, grid, 8):
+        for layout in layouts(model, gpus, 64, grid, 8):
             try:
                 prediction = predict(found.schedule, layout, model, calibrated)
             except ValueError:
