@@ -148,3 +148,57 @@ def test_measured_extras_replace_the_flops_model():
     assert counts[0] < 4 and counts[-1] >= 4, counts
     with pytest.raises(ValueError, match="stage extras must be three numbers >= 0"):
         StageExtras(head=(1.0, -1.0, 0.0))
+
+
+def _script(name):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    return importlib.import_module(name)
+
+
+def test_bench_layout_reads_the_head_cost_off_a_uniform_run():
+    """Per-stage pass times of a uniform layout (2 layers a stage): the middle stages give a layer's
+    F/B/W, the first and last stages' surplus the embedding's and the head's, in layers' worth."""
+    bench = _script("bench_layout")
+    layer = (1.0, 2.0, 0.5)  # seconds of one layer's F, B, W
+    times = [[2 * t for t in layer] for _ in range(4)]
+    times[0] = [2 * layer[0] + 0.5, 2 * layer[1], 2 * layer[2] + 1.0]  # embedding: 0.5 F, 2 W
+    times[3] = [2 * layer[0] + 3.0, 2 * layer[1] + 2.0, 2 * layer[2] + 1.5]  # head: 3 F, 1 B, 3 W
+    by_kind = [[times[s][k] for s in range(4)] for k in range(3)]
+    costs, extras = bench.measured_costs(by_kind, (2, 2, 2, 2), num_layers=8, pp=2)
+    assert (costs.f, costs.b, costs.w) == pytest.approx((2.0, 4.0, 1.0))  # one V chunk = 2 layers
+    assert extras.embedding == pytest.approx((0.5, 0.0, 2.0))
+    assert extras.head == pytest.approx((3.0, 1.0, 3.0))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_layout_runs_three_layouts_side_by_side(tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    bench = _script("bench_layout")
+    assert bench.main(["--pp", "2", "--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "2048",
+                       "--seq", "16", "--microbatches", "4", "--iters", "2", "--warmup", "0", "--calibration", "1",
+                       "--timeout", "280", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["times_s"]) == {"uniform", "balanced", "balanced-measured"}
+    assert all(len(t) == 2 for t in report["times_s"].values())
+    assert report["layouts"]["uniform"] == [1, 1, 1, 1] and sum(report["layouts"]["balanced"]) == 4
+    assert report["predicted_ratio"]["balanced"] < 1.0  # the head is 5 layers' worth by FLOPs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_balanced_layouts_script_quick(tmp_path):
+    import json
+
+    out = tmp_path / "rows.json"
+    assert _script("balanced_layouts").main(["--quick", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["schedule"] for r in rows] == ["1f1b", "v-half", "v-zb"]
+    for row in rows:
+        assert row["balanced_mfu"] > row["reference_mfu"] * 1.1  # the 128k-vocabulary head is ~2 layers
