@@ -27,7 +27,8 @@ import statistics
 import sys
 from dataclasses import replace
 
-from megatron_vshape.verify import ModelSettings, build_gpt, forward_step, make_config, microbatch, spawn
+from megatron_vshape.testing import spawn
+from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
 
 FLOPS, MEASURED = "balanced", "balanced-measured"
 

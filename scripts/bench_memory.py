@@ -2,7 +2,7 @@
 
     python scripts/bench_memory.py [--pp 4] [--microbatches 16] [--seq 256] [--json FILE]
 
-Runs ``vshape verify``'s harness (megatron_vshape.verify.run_check): one process group of ``--pp``
+Runs ``vshape verify``'s harness (megatron_vshape.testing.run_check): one process group of ``--pp``
 CPU ranks (gloo) runs one training iteration of a megatron-core GPT (local spec, fp32, dropout off)
 under each schedule with the vshape executor, checks the gradients against a single-process
 reference, and measures each rank's peak activation bytes with the runtime's ActivationMeter (the
@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from megatron_vshape.verify import ModelSettings, RunSpec, run_check
+from megatron_vshape.testing import ModelSettings, RunSpec, run_check
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1", "zb-1p", "zb-2p",
                      "v-min", "v-half", "v-zb", "v-auto")

@@ -36,14 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ itsel
 import bench_runtime  # noqa: E402
 
 from megatron_vshape.schedules import Costs  # noqa: E402
-from megatron_vshape.verify import (  # noqa: E402
-    ModelSettings,
-    build_gpt,
-    forward_step,
-    make_config,
-    microbatch,
-    spawn,
-)
+from megatron_vshape.testing import spawn  # noqa: E402
+from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch  # noqa: E402
 
 TORCH_SCHEDULES = {"torch-zbv": "ScheduleZBVZeroBubble", "torch-dualpipev": "ScheduleDualPipeV"}
 DEFAULT_OURS = ("v-zb", "v-half", "1f1b")

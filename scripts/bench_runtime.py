@@ -20,7 +20,8 @@ import sys
 from dataclasses import replace
 
 from megatron_vshape.schedules import Costs
-from megatron_vshape.verify import ModelSettings, build_gpt, forward_step, make_config, microbatch, spawn
+from megatron_vshape.testing import spawn
+from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
 
 DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "v-min", "v-half", "v-zb")
 

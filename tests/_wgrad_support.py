@@ -1,5 +1,5 @@
 """Helpers for tests/test_wgrad.py: megatron models built on CPU and the per-rank workers that
-``megatron_vshape.verify.spawn`` runs (it owns the process group, timeouts and cleanup).
+``megatron_vshape.testing.spawn`` runs (it owns the process group, timeouts and cleanup).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def backward_on_new_threads():
 
 
 def init_megatron(rank: int, world_size: int, tp: int) -> None:
-    """Megatron parallel_state in CPU mode, on the gloo group ``verify.spawn`` started."""
+    """Megatron parallel_state in CPU mode, on the gloo group ``testing.spawn`` started."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -372,9 +372,9 @@ def threaded_executor_worker(rank: int, world_size: int, spec, reference_path: s
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     import megatron_vshape.runtime as runtime
-    from megatron_vshape import verify
     from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
     from megatron_vshape.runtime import wgrad
+    from megatron_vshape.testing import workers
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(spec.tp, spec.pp)
@@ -398,7 +398,7 @@ def threaded_executor_worker(rank: int, world_size: int, spec, reference_path: s
     row = {"pp_rank": parallel_state.get_pipeline_model_parallel_rank()}
     try:
         with backward_on_new_threads() as engine:
-            row["result"] = verify._run_schedule(spec.schedules[0], spec, spec.model, torch.load(reference_path))
+            row["result"] = workers.run_schedule(spec.schedules[0], spec, spec.model, torch.load(reference_path))
     except wgrad.WgradError as err:
         row["error"] = str(err)
     row["threads_used"] = engine.threads_used

@@ -7,7 +7,7 @@ The fast tier draws d = 2..8; d = 9..16 (seconds per schedule) runs in the full 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_vshape.schedules import Costs, get_schedule, simulate, validate
@@ -17,11 +17,6 @@ FEW = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck
 PEAK_FACTOR = {"v-zb": 1, "zb-h1": 1, "zb-1p": 1, "zb-2p": 2}  # x 1F1B's peak (d units)
 
 
-SMALL, LARGE = (2, 8), (9, 16)
-DEVICES = pytest.mark.parametrize("devices", [SMALL, pytest.param(LARGE, marks=pytest.mark.slow)],
-                                  ids=["d2-8", "d9-16"])
-
-
 @st.composite
 def cells(draw, devices: tuple[int, int] = (2, 16), lowest_factor: int = 1):
     d = draw(st.integers(*devices))
@@ -29,16 +24,30 @@ def cells(draw, devices: tuple[int, int] = (2, 16), lowest_factor: int = 1):
     return d, m
 
 
-@pytest.mark.parametrize("name", sorted(PEAK_FACTOR))
-@DEVICES
-@FEW
-@given(data=st.data(), costs=st.sampled_from((Costs(),) + UNEQUAL))
-def test_valid_and_within_memory(name, devices, data, costs):
-    d, m = data.draw(cells(devices), label="cell")
+SMALL, LARGE = (2, 8), (9, 16)
+LARGE_FEW = settings(FEW, max_examples=3)  # d = 9..16: seconds per build, the full run only
+
+
+def _assert_valid_and_within_memory(name, d, m, costs):
     schedule = get_schedule(name, d, m, costs)
     validate(schedule)
     result = simulate(schedule, costs)
     assert result.peak_memory_max <= PEAK_FACTOR[name] * d + 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(PEAK_FACTOR))
+@FEW
+@given(cell=cells(SMALL), costs=st.sampled_from((Costs(),) + UNEQUAL))
+def test_valid_and_within_memory(name, cell, costs):
+    _assert_valid_and_within_memory(name, *cell, costs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PEAK_FACTOR))
+@LARGE_FEW
+@given(cell=cells(LARGE), costs=st.sampled_from((Costs(),) + UNEQUAL))
+def test_valid_and_within_memory_on_9_to_16_devices(name, cell, costs):
+    _assert_valid_and_within_memory(name, *cell, costs)
 
 
 @FEW
@@ -48,21 +57,22 @@ def test_v_zb_has_no_bubble_at_equal_costs(cell):
     assert simulate(get_schedule("v-zb", d, m)).bubble_rate == pytest.approx(0.0, abs=1e-12)
 
 
-@DEVICES
-@FEW
-@given(data=st.data(), costs=st.sampled_from(UNEQUAL))
-def test_v_zb_beats_zb_1p_at_the_same_memory(devices, data, costs):
-    d, m = data.draw(cells(devices), label="cell")
-    _assert_v_zb_beats_zb_1p(d, m, costs)
-
-
-def test_v_zb_beats_zb_1p_where_the_greedy_v_zb_did_not():
-    """d = 8, m = 32 with communication: the greedy V-ZB had 0.090 against ZB-1P's 0.087."""
-    _assert_v_zb_beats_zb_1p(8, 32, UNEQUAL[1])
-
-
 def _assert_v_zb_beats_zb_1p(d, m, costs):
     v_zb = simulate(get_schedule("v-zb", d, m, costs), costs)
     zb_1p = simulate(get_schedule("zb-1p", d, m, costs), costs)
     assert v_zb.peak_memory_max <= zb_1p.peak_memory_max == d
     assert v_zb.bubble_rate < zb_1p.bubble_rate
+
+
+@FEW
+@given(cell=cells(SMALL), costs=st.sampled_from(UNEQUAL))
+@example(cell=(8, 32), costs=UNEQUAL[1])  # the greedy V-ZB had 0.090 here vs ZB-1P's 0.087
+def test_v_zb_beats_zb_1p_at_the_same_memory(cell, costs):
+    _assert_v_zb_beats_zb_1p(*cell, costs)
+
+
+@pytest.mark.slow
+@LARGE_FEW
+@given(cell=cells(LARGE), costs=st.sampled_from(UNEQUAL))
+def test_v_zb_beats_zb_1p_at_the_same_memory_on_9_to_16_devices(cell, costs):
+    _assert_v_zb_beats_zb_1p(*cell, costs)

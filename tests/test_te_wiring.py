@@ -22,7 +22,7 @@ from _wgrad_support import fake_te_classes, split_spec_layer_worker
 from megatron_vshape.megatron import layer_spec
 from megatron_vshape.runtime import te_wgrad
 from megatron_vshape.runtime.wgrad import WgradError
-from megatron_vshape.verify import spawn
+from megatron_vshape.testing import spawn
 
 
 def _classes_in(node, seen=None) -> set[type]:

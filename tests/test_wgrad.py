@@ -28,7 +28,7 @@ from megatron_vshape.runtime.wgrad import (
     enable_wgrad_split,
     wgrad_split_enabled,
 )
-from megatron_vshape.verify import spawn
+from megatron_vshape.testing import spawn
 
 
 @pytest.fixture

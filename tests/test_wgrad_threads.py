@@ -20,7 +20,7 @@ from megatron_vshape.runtime.wgrad import (
     WgradCounts,
     WgradError,
 )
-from megatron_vshape.verify import ModelSettings, RunSpec, reference_worker, spawn
+from megatron_vshape.testing import ModelSettings, RunSpec, reference_worker, spawn
 
 
 def _layer_and_batch():

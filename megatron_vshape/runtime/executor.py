@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,8 +70,6 @@ from .replan import (
     write_costs,
 )
 from .watchdog import Progress, ScheduleWatchdog
-
-PlanTransform = Callable[[DevicePlan], DevicePlan]
 
 
 class WeightGradAdapter:
@@ -131,15 +128,15 @@ def build_forward_backward_func(
     costs: Costs = Costs(),
     chunks: int = 2,
     memory_limit: float | None = None,
-    plan_transform: PlanTransform | None = None,
+    executor_type: type[ScheduleExecutor] | None = None,
     record_timeline: bool = False,
     replan: ReplanPolicy | None = None,
     watchdog: ScheduleWatchdog | None = None,
 ) -> ScheduleExecutor:
     """A megatron-style forward-backward function running ``schedule_name``.
 
-    ``plan_transform`` rewrites every rank's lowered plan before it runs; it exists for tests that
-    corrupt a plan on purpose and must otherwise stay None. With ``record_timeline`` the callable
+    ``executor_type`` is a :class:`ScheduleExecutor` subclass to build instead (the tests' check that
+    a deliberately corrupted plan is caught overrides :meth:`ScheduleExecutor.lower_plans`). With ``record_timeline`` the callable
     keeps ``last_timeline``: (action, start, end) wall-clock seconds of each pass of the last call
     on this rank (CPU timing; on GPU it measures launch, not kernel time), to compare with the
     simulator or to measure F/B/W costs. With ``replan`` the executor times its passes during the
@@ -151,7 +148,7 @@ def build_forward_backward_func(
         raise ScheduleError(
             f"--pipeline-schedule: unknown schedule {schedule_name!r}; choose one of: {', '.join(SCHEDULES)}"
         )
-    executor = ScheduleExecutor(schedule_name, costs, chunks, memory_limit, plan_transform)
+    executor = (executor_type or ScheduleExecutor)(schedule_name, costs, chunks, memory_limit)
     executor.record_timeline = record_timeline
     executor.cost_profile = CostProfile(replan) if replan is not None else None
     executor.watchdog = watchdog
@@ -176,10 +173,9 @@ class _Chunk:
 class ScheduleExecutor:
     """The callable returned by :func:`build_forward_backward_func` (no state shared across instances)."""
 
-    def __init__(self, name, costs, chunks, memory_limit, plan_transform):
+    def __init__(self, name, costs, chunks, memory_limit):
         self.schedule_name = name
         self._costs, self._chunks, self._memory_limit = costs, chunks, memory_limit
-        self._plan_transform = plan_transform
         self._schedules: dict[tuple[int, int], tuple[Schedule, tuple[DevicePlan, ...]]] = {}
         self._groups: dict[tuple[int, ...], PairGroups] = {}  # per pipeline group (its global ranks)
         self._programs: dict[tuple[int, int, bool], tuple[tuple[Op, ...], ...]] = {}  # p2p, every rank
@@ -205,8 +201,12 @@ class ScheduleExecutor:
         key = (num_devices, num_microbatches)
         if key not in self._schedules:
             schedule = self._build(num_devices, num_microbatches)
-            self._schedules[key] = (schedule, lower(schedule))
+            self._schedules[key] = (schedule, self.lower_plans(schedule))
         return self._schedules[key]
+
+    def lower_plans(self, schedule: Schedule) -> tuple[DevicePlan, ...]:
+        """Every rank's plan of ``schedule`` (the exchange programs are derived from all of them)."""
+        return lower(schedule)
 
     def _build(self, num_devices: int, num_microbatches: int) -> Schedule:
         extra = {} if self._memory_limit is None else {"memory_limit": self._memory_limit}
@@ -226,8 +226,6 @@ class ScheduleExecutor:
         key = (num_devices, num_microbatches, forward_only)
         if key not in self._programs:
             plans = self._lowered(num_devices, num_microbatches)[1]
-            if self._plan_transform is not None:
-                plans = tuple(map(self._plan_transform, plans))
             if forward_only:
                 plans = tuple(map(_forward_only_plan, plans))
             self._programs[key] = exchange_programs(plans, self._costs)
@@ -335,8 +333,6 @@ class _Iteration:
         self.force_all_reduce = force_all_reduce
         self.chunks = self._make_chunks(models, data_iterator)
         plan = plans[self.rank]
-        if executor._plan_transform is not None:
-            plan = executor._plan_transform(plan)
         self.plan = _forward_only_plan(plan) if forward_only else plan
         self.program = executor.exchange_program(num_devices, num_microbatches, forward_only, self.rank)
         self.deferred = set() if forward_only else _deferred_backwards(self.schedule, self.plan)

@@ -57,7 +57,7 @@ def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-PORT_CLASH = ("Address already in use", "EADDRINUSE")  # as megatron_vshape.verify.spawn retries on
+PORT_CLASH = ("Address already in use", "EADDRINUSE")  # as megatron_vshape.testing.spawn retries on
 
 
 def free_port() -> int:

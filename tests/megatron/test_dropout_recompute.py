@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _wgrad_support import recompute_dropout_worker  # noqa: E402
 
-from megatron_vshape.verify import spawn  # noqa: E402
+from megatron_vshape.testing import spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_vshape.schedules import schedule_names
-from megatron_vshape.verify import ModelSettings, RunSpec, SpawnError, run_check
+from megatron_vshape.runtime import ScheduleExecutor
+from megatron_vshape.schedules import DevicePlan, schedule_names
+from megatron_vshape.testing import ModelSettings, RunSpec, SpawnError, run_check
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -69,10 +70,32 @@ def test_measured_activation_peaks_follow_the_simulator(pp4_results):
         assert abs(ranks[rank] / (units * per_unit) - 1) <= 0.10, (rank, ranks)
 
 
+class SwappedMessagesExecutor(ScheduleExecutor):
+    """Posts two receives from one peer in the wrong order (an activation and a gradient).
+
+    On each plan, picks two consecutive messages of different payloads that the peer sends back to
+    back, so the corrupted run completes (no deadlock) with the two tensors swapped.
+    """
+
+    def lower_plans(self, schedule):
+        return tuple(map(_swap_two_messages, super().lower_plans(schedule)))
+
+
+def _swap_two_messages(plan: DevicePlan) -> DevicePlan:
+    for peer, order in plan.recv_order.items():
+        for i in range(len(order) - 1):
+            if order[i].payload is not order[i + 1].payload:
+                swapped = list(order)
+                swapped[i], swapped[i + 1] = swapped[i + 1], swapped[i]
+                return DevicePlan(plan.steps, {**plan.recv_order, peer: tuple(swapped)})
+    return plan
+
+
 @pytest.mark.timeout(300)
 def test_swapped_messages_are_caught():
     """Posting two receives from one peer out of send order must not pass the gradient check."""
-    result = run_check(RunSpec(schedules=("v-half",), pp=2, microbatches=4, corrupt_plan=True), timeout=200)
+    spec = RunSpec(schedules=("v-half",), pp=2, microbatches=4, executor_type=SwappedMessagesExecutor)
+    result = run_check(spec, timeout=200)
     row = result["v-half"]
     assert row["max_grad_rel_err"] > 1e-3 or row["max_loss_abs_err"] > 1e-3, row
 

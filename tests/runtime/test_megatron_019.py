@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import megatron.core
     from megatron_vshape.schedules import schedule_names
-    from megatron_vshape.verify import ModelSettings, RunSpec, run_check
+    from megatron_vshape.testing import ModelSettings, RunSpec, run_check
 
     if __name__ == "__main__":
         out = {"version": megatron.core.__version__}

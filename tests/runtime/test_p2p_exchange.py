@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_vshape.verify import spawn
+from megatron_vshape.testing import spawn
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 

@@ -14,7 +14,7 @@ import pytest
 from megatron_vshape.runtime.executor import _deferred_backwards, _forward_only_plan, build_forward_backward_func
 from megatron_vshape.runtime.placement import chunk_specs
 from megatron_vshape.schedules import Kind, Payload, Placement, ScheduleError, get_schedule, lower
-from megatron_vshape.verify import SpawnError, spawn
+from megatron_vshape.testing import SpawnError, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 

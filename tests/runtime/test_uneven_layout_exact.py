@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_vshape.verify import RunSpec, run_check
+from megatron_vshape.testing import RunSpec, run_check
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 

@@ -12,7 +12,9 @@ import math
 import pytest
 
 from megatron_vshape import verify
-from megatron_vshape.verify import ModelSettings, RunSpec, run_check, split_b_passes, verdict
+from megatron_vshape.testing import ModelSettings, RunSpec, run_check
+from megatron_vshape.testing.workers import split_b_passes
+from megatron_vshape.verify import verdict
 
 SPLIT_SCHEDULES = ("v-zb", "v-half", "v-min", "zb-1p", "zb-h1", "zb-2p")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vshape.runtime.watchdog import EXIT_CODE
-from megatron_vshape.verify import SpawnError, spawn
+from megatron_vshape.testing import SpawnError, spawn
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -23,20 +23,20 @@ def stalled_worker(rank, world_size, log_dir):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_vshape import verify
     from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
     from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
     from megatron_vshape.runtime.watchdog import ScheduleWatchdog
+    from megatron_vshape.testing import tiny_gpt
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)
     model_parallel_cuda_manual_seed(1234)
-    settings = verify.ModelSettings()
+    settings = tiny_gpt.ModelSettings()
     log = open(Path(log_dir) / f"rank{rank}.log", "w")  # noqa: SIM115 - the process ends in os._exit
     executor = build_forward_backward_func("v-half", watchdog=ScheduleWatchdog(WATCHDOG_SECONDS, grace=2.0, out=log))
     placement = executor.schedule(world_size, 8).placement
-    config = verify.make_config(settings, world_size, 1, 2, False)
-    chunks = build_model_chunks(placement, rank, lambda spec, pgs: verify.build_gpt(
+    config = tiny_gpt.make_config(settings, world_size, 1, 2, False)
+    chunks = build_model_chunks(placement, rank, lambda spec, pgs: tiny_gpt.build_gpt(
         config, settings, spec.pre_process, spec.post_process, spec.vp_stage, pgs, placement.num_stages))
     calls = []
 
@@ -44,11 +44,11 @@ def stalled_worker(rank, world_size, log_dir):
         calls.append(None)
         if rank == STALLED_RANK and len(calls) == STALLED_CALL:
             time.sleep(3600)  # the stall: a pass that never ends
-        return verify.forward_step(data_iterator, model)
+        return tiny_gpt.forward_step(data_iterator, model)
 
     torch.distributed.barrier()
     (Path(log_dir) / f"rank{rank}.start").write_text(str(time.time()))
-    executor(forward_step_func=forward_step, data_iterator=[iter(verify._data(settings, range(8))) for _ in chunks],
+    executor(forward_step_func=forward_step, data_iterator=[iter(tiny_gpt._data(settings, range(8))) for _ in chunks],
              model=chunks, num_microbatches=8, seq_length=settings.seq_length,
              micro_batch_size=settings.micro_batch_size)
     return "finished"  # never reached: the stalled rank sleeps, the other waits for it

@@ -1,0 +1,121 @@
+"""Run a function on N fresh processes with a process group; a failure, death or hang fails the call."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+
+class SpawnError(RuntimeError):
+    """A rank failed, died or timed out (the message carries its traceback)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_entry(fn, rank, world_size, port, args, queue, backend="gloo"):
+    os.environ.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    if backend == "nccl":
+        # Megatron's setting (and the one that makes NCCL p2p ordering matter); set before CUDA starts.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            # One GPU per rank, as torchrun + megatron.training set it; no device_id, as megatron.training
+            # initialises, so NCCL creates its pair communicators lazily, as in a real run.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: B036 - report anything to the parent, then exit
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch
+
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        except Exception:
+            pass
+
+
+_PORT_CLASH = ("Address already in use", "EADDRINUSE")
+
+
+def spawn(fn, world_size: int, args: tuple = (), timeout: float = 300.0, attempts: int = 3,
+          backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes with ``backend`` initialised
+    (``nccl``: rank r on GPU r).
+
+    Returns the per-rank results. Raises :class:`SpawnError` if any rank raises, dies, or the whole
+    group exceeds ``timeout`` seconds; every spawned process is killed before returning or raising,
+    so a deadlock fails instead of hanging. A rendezvous port taken by another process between
+    picking and binding it (parallel test runs) is retried on a new port.
+    """
+    for attempt in range(attempts):
+        try:
+            return _spawn_once(fn, world_size, args, timeout, backend)
+        except SpawnError as err:
+            if attempt + 1 == attempts or not any(text in str(err) for text in _PORT_CLASH):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn, world_size: int, args: tuple, timeout: float, backend: str = "gloo") -> list:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE")}
+    os.environ.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")  # children inherit at import
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, queue, backend), daemon=True)
+             for r in range(world_size)]
+    try:
+        for proc in procs:
+            proc.start()
+        return _collect(procs, queue, world_size, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            if proc.pid is not None:
+                proc.join(timeout=10)
+        queue.close()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _collect(procs, queue, world_size: int, timeout: float) -> list:
+    import queue as queue_mod
+
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SpawnError(f"timed out after {timeout:.0f}s; ranks done: {sorted(results)}")
+        try:
+            rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                    and i not in results]
+            if dead:
+                raise SpawnError(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})") from None
+            continue
+        if status == "error":
+            raise SpawnError(f"rank {rank} failed:\n{payload}")
+        results[rank] = payload
+    return [results[r] for r in range(world_size)]

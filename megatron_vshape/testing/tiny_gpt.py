@@ -1,0 +1,138 @@
+"""A tiny megatron-core GPT (dropout off, every parameter gets a gradient) and its deterministic data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """A tiny GPT whose every parameter gets a gradient (dropout off; fp32 and the local spec by default)."""
+
+    num_layers: int = 8
+    hidden_size: int = 32
+    num_heads: int = 4
+    seq_length: int = 16
+    vocab_size: int = 64
+    micro_batch_size: int = 2
+    tied_embeddings: bool = False
+    seed: int = 1234
+    ffn_hidden_size: int | None = None
+    dtype: str = "fp32"  # or "bf16": parameters, activations and p2p in bf16, gradients accumulated in fp32
+    spec: str = "local"  # or "te": the GPU layer spec (see layer_spec)
+
+
+def make_config(model: ModelSettings, pp: int, tp: int, vp: int | None, sequence_parallel: bool, layout=None):
+    """``layout``: megatron's PipelineParallelLayerLayout for uneven stages (``runtime.layer_layout``)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch_dtype(model.dtype)
+    return TransformerConfig(
+        pipeline_model_parallel_layout=layout,
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=model.dtype == "bf16",
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp, sequence_parallel=sequence_parallel,
+        gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
+    )
+
+
+DTYPES = ("fp32", "bf16")
+SPECS = ("local", "te")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def _sequence_parallel_norm():
+    import torch
+
+    class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+        """torch LayerNorm whose parameters megatron all-reduces over tensor parallel under SP.
+
+        megatron-core's CPU fallback norm (WrappedTorchNorm) refuses sequence parallel, and apex /
+        Transformer Engine norms do not install here; numerically this is the same LayerNorm.
+        """
+
+        def __init__(self, config, hidden_size, eps=1e-5):
+            super().__init__(hidden_size, eps=eps)
+            for param in self.parameters():
+                param.sequence_parallel = config.sequence_parallel
+
+    return SequenceParallelLayerNorm
+
+
+def layer_spec(config, num_layers_in_chunk: int, spec_name: str = "local", split: bool = False):
+    """megatron's local GPT layer spec (under sequence parallel with a norm that supports it), or the
+    GPU spec (``spec_name="te"``): the split layer spec for a split schedule (megatron's splittable
+    linears with TE attention and norms, as the training glue picks it), else megatron's TE spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if spec_name == "te":
+        if split:
+            from megatron_vshape.megatron.layer_spec import split_layer_spec
+
+            return split_layer_spec()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec()
+    if not config.sequence_parallel:
+        return spec
+    norm = _sequence_parallel_norm()
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers_in_chunk, layer_norm=norm)
+
+
+def build_gpt(config, model: ModelSettings, pre_process=True, post_process=True, vp_stage=None,
+              pg_collection=None, num_stages: int = 1, split: bool = False):
+    """``split``: the model is for a split schedule (with ``model.spec == "te"``: the split layer spec).
+    The fused reference of a split run passes it too, so both build the same layers."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    layout = config.pipeline_model_parallel_layout
+    chunk_layers = model.num_layers // num_stages if layout is None else layout.get_num_layers_to_build(vp_stage=vp_stage)
+    return GPTModel(
+        config=config, transformer_layer_spec=layer_spec(config, chunk_layers, model.spec, split),
+        vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=model.tied_embeddings,
+        vp_stage=vp_stage, pg_collection=pg_collection,
+    )
+
+
+def microbatch(model: ModelSettings, index: int) -> dict:
+    """Deterministic data of global microbatch ``index``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(model.seed * 7919 + index)
+    b, s = model.micro_batch_size, model.seq_length
+    tokens = torch.randint(0, model.vocab_size, (b, s + 1), generator=gen)
+    return {
+        "tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+        "attention_mask": torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None],
+    }
+
+
+def forward_step(data_iterator, model):
+    """megatron forward_step_func: mean token loss per microbatch, reported as 'lm loss'."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach().clone(), "mb": batch["index"]}
+
+    return output, loss_func
+
+
+def _data(model: ModelSettings, indices, device: str = "cpu") -> list[dict]:
+    return [dict({k: v.to(device) for k, v in microbatch(model, i).items()}, index=i) for i in indices]
