@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from spawn_targets import die_without_reporting, raise_value_error, sleep_forever
 
 from megatron_vshape.runtime.executor import _deferred_backwards, _forward_only_plan, build_forward_backward_func
 from megatron_vshape.runtime.placement import chunk_specs
@@ -53,27 +54,11 @@ def test_unknown_schedule_is_a_one_line_error():
         build_forward_backward_func("v-max")
 
 
-def _sleep_forever(rank, world_size):
-    if rank == 1:
-        time.sleep(3600)
-    return rank
-
-
-def _raise(rank, world_size):
-    raise ValueError(f"boom on {rank}")
-
-
-def _die(rank, world_size):
-    if rank == 1:
-        os._exit(3)  # like a segfault or an OOM kill: no report
-    return rank
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_harness_reports_a_rank_that_dies_without_reporting():
     with pytest.raises(SpawnError, match=r"rank\(s\) \[1\] died \(exit codes \[3\]\)"):
-        spawn(_die, 2, timeout=50)
+        spawn(die_without_reporting, 2, timeout=50)
 
 
 @pytest.mark.slow
@@ -81,7 +66,7 @@ def test_harness_reports_a_rank_that_dies_without_reporting():
 def test_harness_kills_a_hung_group():
     start = time.monotonic()
     with pytest.raises(SpawnError, match="timed out"):
-        spawn(_sleep_forever, 2, timeout=8)
+        spawn(sleep_forever, 2, timeout=3)  # whether or not rank 1 has started sleeping yet
     assert time.monotonic() - start < 40
 
 
@@ -90,7 +75,7 @@ def test_harness_kills_a_hung_group():
 def test_harness_reports_a_failing_rank():
     # The ranks import torch before they raise: 30 s was not enough on a loaded 2-core machine.
     with pytest.raises(SpawnError, match="boom on"):
-        spawn(_raise, 2, timeout=120)
+        spawn(raise_value_error, 2, timeout=120)
 
 
 def _cpu_mode_probe(rank, world_size):
