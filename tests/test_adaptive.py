@@ -1,4 +1,4 @@
-"""v-auto: the adaptive V schedule under a memory limit (issue 5)."""
+"""v-auto: the adaptive V schedule under a memory limit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Our schedules against the paper authors' own generators, cell by cell (issue 10).
+"""Our schedules against the paper authors' own generators, cell by cell.
 
 The numbers live in tests/fixtures/reference_targets.json (copied from the design notes; its
 ``source_note`` says where they come from). Each cell must be at least as good as theirs:

@@ -1,4 +1,4 @@
-"""V-Half and V-Min against the paper authors' generator, their memory bounds, and d = 1 (issue 10)."""
+"""V-Half and V-Min against the paper authors' generator, their memory bounds, and d = 1."""
 
 from __future__ import annotations
 
