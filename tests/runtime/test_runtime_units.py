@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from spawn_targets import die_without_reporting, raise_value_error, sleep_forever
 
-from megatron_vshape.runtime.executor import _deferred_backwards, _forward_only_plan, build_forward_backward_func
+from megatron_vshape.runtime import build_forward_backward_func
+from megatron_vshape.runtime.iteration import _deferred_backwards
 from megatron_vshape.runtime.placement import chunk_specs
 from megatron_vshape.schedules import Kind, Payload, Placement, ScheduleError, get_schedule, lower
+from megatron_vshape.schedules.exchange import forward_only_plan as _forward_only_plan
 from megatron_vshape.testing import SpawnError, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
