@@ -43,10 +43,9 @@ from .arguments import (
     ConfigError,
     add_arguments,
     exit_on_error,
-    parse_pipeline_costs,
     validate,
-    watchdog_seconds,
 )
+from .checks import parse_pipeline_costs, watchdog_seconds
 from .patches import Group as PatchGroup
 from .patches import check as check_patches
 

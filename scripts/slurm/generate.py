@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from megatron_vshape.megatron import arguments
+from megatron_vshape.megatron import checks
 from megatron_vshape.planner import CostModel, GPTModel, Layout, get_gpu, predict
 from megatron_vshape.planner.memory import (
     RESERVED_BYTES,
@@ -110,7 +110,7 @@ VARIANTS = (
 
 
 # The argument module's checks that decide whether a grid point is a valid launch at all.
-LAYOUT_CHECKS = (arguments.check_world_size, arguments.check_v_layers, arguments.check_microbatches)
+LAYOUT_CHECKS = (checks.check_world_size, checks.check_v_layers, checks.check_microbatches)
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class Run:
             account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True,
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             micro_batch_size=self.micro_batch, global_batch_size=self.global_batch)
-        return arguments.problems(args, LAYOUT_CHECKS)
+        return checks.problems(args, LAYOUT_CHECKS)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ import argparse
 import pytest
 
 from megatron_vshape.megatron import arguments as vargs
-from megatron_vshape.megatron.arguments import ConfigError, add_arguments, problems, resolve_defaults, validate
+from megatron_vshape.megatron import checks as vchecks
+from megatron_vshape.megatron.arguments import ConfigError, add_arguments, resolve_defaults, validate
+from megatron_vshape.megatron.checks import problems
 
 
 def megatron_like(**overrides) -> argparse.Namespace:
@@ -142,10 +144,10 @@ def test_bad_combination_fails_with_one_line_naming_flag(case):
 def test_split_schedule_on_te_needs_te_and_refuses_what_megatron_linears_cannot_do():
     args = megatron_like(cpu=False, distributed_backend=None, transformer_impl="transformer_engine",
                          gradient_accumulation_fusion=True)
-    sizes = vargs.Sizes.from_args(args)
+    sizes = vchecks.Sizes.from_args(args)
 
     def check(**kw):
-        return vargs.check_te_split(args, sizes, **{"te_version": lambda: (2, 8, 0), "wgrad_kernel": lambda: True, **kw})
+        return vchecks.check_te_split(args, sizes, **{"te_version": lambda: (2, 8, 0), "wgrad_kernel": lambda: True, **kw})
 
     assert check() is None
     assert "install it or use --transformer-impl local" in check(te_version=lambda: None)
@@ -218,9 +220,9 @@ def test_pipeline_costs_by_hand_and_auto_pass():
 
 
 def test_watchdog_defaults_by_device_and_turns_off_with_zero():
-    assert vargs.watchdog_seconds(validate(megatron_like())) == 120.0  # --cpu
-    assert vargs.watchdog_seconds(megatron_like(cpu=False)) == 300.0
-    assert vargs.watchdog_seconds(validate(megatron_like(pipeline_watchdog=0.0))) == 0.0
+    assert vchecks.watchdog_seconds(validate(megatron_like())) == 120.0  # --cpu
+    assert vchecks.watchdog_seconds(megatron_like(cpu=False)) == 300.0
+    assert vchecks.watchdog_seconds(validate(megatron_like(pipeline_watchdog=0.0))) == 0.0
 
 
 def test_schedule_is_built_at_start_up_only_for_an_otherwise_valid_combination(monkeypatch):

@@ -5,7 +5,8 @@ import argparse
 import pytest
 
 from megatron_vshape.megatron import layout
-from megatron_vshape.megatron.arguments import ConfigError, add_arguments, problems, validate
+from megatron_vshape.megatron.arguments import ConfigError, add_arguments, validate
+from megatron_vshape.megatron.checks import problems
 from megatron_vshape.planner.balance import choose_layout
 from megatron_vshape.planner.model import GPTModel
 from megatron_vshape.schedules import Costs, get_schedule, simulate

@@ -1,0 +1,424 @@
+"""The checks on how the plugin's flags combine with Megatron's (pure argparse, no torch or megatron).
+
+Each check takes the parsed args and the derived :class:`Sizes` and returns one line naming the flag
+and the fix, or None. :func:`problems` runs them in order; ``arguments.validate`` raises the first as
+a :class:`~.arguments.ConfigError` before Megatron's own ``validate_args`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib import metadata
+
+from ..schedules import SCHEDULES, fuses_backward
+from . import layout
+from .arguments import (
+    AUTO_SCHEDULE,
+    MEGATRON_OWN_SCHEDULES,
+    SCHEDULE_CHOICES,
+    SPLIT_SPEC_ARG,
+    V_SCHEDULE_NAMES,
+    ConfigError,
+    effective,
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The parallel sizes the checks need, derived the way Megatron's validate_args derives them."""
+
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    num_microbatches: int | None  # None when the batch sizes do not divide (reported separately)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Sizes:
+        tp = _get(args, "tensor_model_parallel_size", 1)
+        pp = _get(args, "pipeline_model_parallel_size", 1)
+        cp = _get(args, "context_parallel_size", 1)
+        world = _get(args, "world_size", tp * pp * cp)
+        dp = max(world // max(tp * pp * cp, 1), 1)
+        mbs = _get(args, "micro_batch_size", 1)
+        gbs = _get(args, "global_batch_size", None) or mbs * dp
+        m = gbs // (mbs * dp) if gbs % (mbs * dp) == 0 else None
+        return cls(world, tp, pp, cp, dp, m)
+
+
+def _get(args: argparse.Namespace, name: str, default):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+Check = Callable[[argparse.Namespace, Sizes], "str | None"]
+
+
+def _schedule(args) -> str | None:
+    return getattr(args, "pipeline_schedule", None)
+
+
+def _splits_backward(name: str | None) -> bool:
+    if name is None or name in MEGATRON_OWN_SCHEDULES:
+        return False
+    return not fuses_backward(name)
+
+
+def check_known_schedule(args, sizes) -> str | None:
+    name = _schedule(args)
+    if name is not None and name not in SCHEDULE_CHOICES:
+        return f"--pipeline-schedule: unknown schedule {name!r}; use one of {', '.join(SCHEDULE_CHOICES)}"
+    return None
+
+
+def check_pipeline_size(args, sizes) -> str | None:
+    name = _schedule(args)
+    if name is not None and sizes.pp < 2:
+        return (f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 (got {sizes.pp}); "
+                "raise it or drop --pipeline-schedule")
+    return None
+
+
+def check_world_size(args, sizes) -> str | None:
+    model_parallel = sizes.tp * sizes.pp * sizes.cp
+    if sizes.world % model_parallel:
+        return (f"--pipeline-model-parallel-size: world size {sizes.world} is not a multiple of TP x PP x CP = "
+                f"{model_parallel}; launch a multiple of {model_parallel} ranks")
+    return None
+
+
+def check_memory_limit(args, sizes) -> str | None:
+    limit = getattr(args, "pipeline_memory_limit", None)
+    name = _schedule(args)
+    if limit is not None and name != AUTO_SCHEDULE:
+        return f"--pipeline-memory-limit applies only to --pipeline-schedule {AUTO_SCHEDULE}; drop it or switch schedule"
+    if limit is not None and not 0.0 < limit <= 1.0:
+        return f"--pipeline-memory-limit must be in (0, 1] (a fraction of 1F1B's peak); got {limit}"
+    return None
+
+
+def accounted_layers(args) -> int:
+    """Transformer layers plus the embedding / loss when Megatron counts them as layers in the split."""
+    extra = int(bool(getattr(args, "account_for_embedding_in_pipeline_split", False)))
+    extra += int(bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+    return getattr(args, "num_layers", 0) + extra
+
+
+def check_pipeline_layout(args, sizes) -> str | None:
+    return layout.check(args, sizes.pp)
+
+
+def check_layout_resolves(args, sizes) -> str | None:
+    """``--pipeline-layout balanced``: the planner simulates the schedule, so only on a valid combination."""
+    return layout.resolve(args, sizes.pp, sizes.num_microbatches)
+
+
+def check_v_layers(args, sizes) -> str | None:
+    name = _schedule(args)
+    if name not in V_SCHEDULE_NAMES or getattr(args, "num_layers", None) is None or layout.requested(args):
+        return None
+    total, chunks = accounted_layers(args), 2 * sizes.pp
+    if total % chunks:
+        counted = "" if total == args.num_layers else f" (+{total - args.num_layers} for embedding/loss = {total})"
+        return (f"--num-layers {args.num_layers}{counted} must be divisible by 2 x --pipeline-model-parallel-size "
+                f"= {chunks} for {name} (two V chunks per rank); use a multiple of {chunks}")
+    return None
+
+
+_VIRTUAL_FLAGS = (
+    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+    ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
+    ("virtual_pipeline_model_parallel_size", "--virtual-pipeline-model-parallel-size"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+)
+
+
+def check_v_layout_flags(args, sizes) -> str | None:
+    """V schedules fix the virtual pipeline (2 chunks in a V) and the uniform layer split themselves."""
+    name = _schedule(args)
+    if name not in V_SCHEDULE_NAMES:
+        return None
+    for dest, flag in (
+        *_VIRTUAL_FLAGS,
+        ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+        ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
+        ("microbatch_group_size_per_vp_stage", "--microbatch-group-size-per-virtual-pipeline-stage"),
+    ):
+        if getattr(args, dest, None) is not None:
+            return f"{flag} cannot be combined with --pipeline-schedule {name} (it sets 2 V chunks per rank itself); drop {flag}"
+    return None
+
+
+def check_single_chunk_flags(args, sizes) -> str | None:
+    """Looped schedules other than interleaved-1f1b run one model chunk per rank."""
+    name = _schedule(args)
+    if name is None or name in V_SCHEDULE_NAMES or name == "interleaved-1f1b":
+        return None
+    for dest, flag in _VIRTUAL_FLAGS:
+        if getattr(args, dest, None) is not None:
+            return (f"{flag} gives each rank several model chunks, but {name} runs one; drop {flag} or use "
+                    "--pipeline-schedule interleaved-1f1b")
+    return None
+
+
+def check_interleaved_has_chunks(args, sizes) -> str | None:
+    if _schedule(args) != "interleaved-1f1b":
+        return None
+    if not any(getattr(args, d, None) for d in (
+            "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+            "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout")):
+        return ("--pipeline-schedule interleaved-1f1b needs virtual pipeline chunks; add "
+                "--num-virtual-stages-per-pipeline-rank 2 (or another chunk count)")
+    return None
+
+
+def check_microbatches(args, sizes) -> str | None:
+    name = _schedule(args)
+    if name is None:
+        return None
+    if sizes.num_microbatches is None:
+        mbs = _get(args, "micro_batch_size", 1)
+        return (f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x "
+                f"data-parallel size = {mbs} x {sizes.dp}; change either")
+    m, mbs, spec = sizes.num_microbatches, _get(args, "micro_batch_size", 1), SCHEDULES[name]
+    problem = spec.check(sizes.pp, m)  # the schedule's own size rule (PP = its devices)
+    if problem:
+        fit = spec.nearest_microbatches(sizes.pp, m)
+        return (f"--global-batch-size gives {m} microbatches at PP={sizes.pp}: {problem}; "
+                f"use --global-batch-size {fit * mbs * sizes.dp} ({fit} microbatches)")
+    return None
+
+
+def check_cpu_backend(args, sizes) -> str | None:
+    if getattr(args, "cpu", False) and effective(args, "distributed_backend") not in (None, "gloo"):
+        return f"--cpu needs the gloo backend, not --distributed-backend {args.distributed_backend}; drop that flag or use gloo"
+    return None
+
+
+def check_cpu_features(args, sizes) -> str | None:
+    if not getattr(args, "cpu", False):
+        return None
+    if effective(args, "transformer_impl") not in (None, "local"):
+        return "--cpu runs megatron-core's torch layers; use --transformer-impl local (or drop the flag)"
+    if getattr(args, "sequence_parallel", False):
+        # Megatron's torch norms (the only ones without apex / TE) assert on sequence parallel.
+        return "--sequence-parallel needs apex or Transformer Engine norms, which --cpu does not have; drop --sequence-parallel"
+    for dest, flag in (("fp16", "--fp16"), ("fp8", "--fp8-format"), ("tp_comm_overlap", "--tp-comm-overlap"),
+                       ("use_flash_attn", "--use-flash-attn")):
+        if getattr(args, dest, None):
+            return f"{flag} is CUDA-only and cannot run with --cpu; drop {flag}"
+    return None
+
+
+# Features that reduce, overlap or fuse weight gradients at the moment the full backward ends,
+# which a deferred W (after B, sometimes much later) breaks. (flag, dest, why)
+_SPLIT_CONFLICTS = (
+    ("--overlap-grad-reduce", "overlap_grad_reduce", "gradient buckets would be reduced before W runs"),
+    ("--overlap-param-gather", "overlap_param_gather", "it relies on --overlap-grad-reduce's bucket hooks"),
+    ("--delay-wgrad-compute", "delay_wgrad_compute",
+     "the schedule defers W itself, in megatron's linear layers; TE's deferral is for its MoE overlap"),
+    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", "the schedule already defers W"),
+    ("--tp-comm-overlap", "tp_comm_overlap", "TE's userbuffer overlap is not wired to deferred W yet"),
+    ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", "it has its own wgrad schedule"),
+    ("--recompute-granularity", "recompute_granularity", "recomputation inside a split backward is untested"),
+    ("--cpu-offloading-num-layers", "cpu_offloading_num_layers", "offloading hooks assume a fused backward"),
+)
+
+
+def check_split_conflicts(args, sizes) -> str | None:
+    name = _schedule(args)
+    if not _splits_backward(name):
+        return None
+    for flag, dest, why in _SPLIT_CONFLICTS:
+        if getattr(args, dest, None):
+            return (f"{flag} conflicts with --pipeline-schedule {name} ({why}); drop {flag} or use a "
+                    "schedule without B/W split (1f1b, interleaved-1f1b, gpipe)")
+    return None
+
+
+def installed_te_version() -> tuple[int, ...] | None:
+    """Transformer Engine's version from package metadata (never imports TE), or None."""
+    for dist in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
+        try:
+            text = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return tuple(int(p) for p in text.split("+")[0].split(".")[:3] if p.isdigit())
+    return None
+
+
+def apex_wgrad_kernel_installed() -> bool:
+    """apex's fused weight-gradient kernel, which megatron's linears need for gradient accumulation fusion."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def uses_split_spec(args) -> bool:
+    """Split schedule on Transformer Engine without a --spec of the user's: the split layer spec is used."""
+    return (_splits_backward(_schedule(args)) and effective(args, "transformer_impl") == "transformer_engine"
+            and getattr(args, "spec", None) in (None, SPLIT_SPEC_ARG))
+
+
+def check_te_split(args, sizes, te_version: Callable[[], tuple | None] = installed_te_version,
+                   wgrad_kernel: Callable[[], bool] = apex_wgrad_kernel_installed) -> str | None:
+    """Split schedules on TE get the split layer spec (megatron linears, TE attention and norms)."""
+    if not uses_split_spec(args):
+        return None
+    name = _schedule(args)
+    for dest, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format")):
+        if getattr(args, dest, None):
+            return (f"{flag} needs Transformer Engine's linear layers, which --pipeline-schedule {name} replaces by "
+                    "megatron's (they split B and W); drop it or use a schedule without B/W split (1f1b, interleaved-1f1b)")
+    if te_version() is None:
+        return (f"--transformer-impl transformer_engine with --pipeline-schedule {name} uses TE's fused attention "
+                "and norms (Transformer Engine not installed); install it or use --transformer-impl local")
+    if getattr(args, "gradient_accumulation_fusion", False) and not wgrad_kernel():
+        return (f"--pipeline-schedule {name} runs megatron's linear layers, whose gradient accumulation fusion needs "
+                "apex's fused_weight_gradient_mlp_cuda (not installed); add --no-gradient-accumulation-fusion or install apex")
+    return None
+
+
+def parse_pipeline_costs(text: str):
+    """``Costs`` from ``--pipeline-costs f=..,b=..`` (``auto`` is handled by the caller)."""
+    from ..schedules import Costs
+
+    try:
+        return Costs.parse(text)
+    except ValueError as err:
+        raise ConfigError(f"--pipeline-costs: {str(err).removeprefix('--costs: ')}") from None
+
+
+def check_pipeline_costs(args, sizes) -> str | None:
+    spec, name = getattr(args, "pipeline_costs", None), _schedule(args)
+    if getattr(args, "pipeline_costs_out", None) and spec != "auto":
+        return "--pipeline-costs-out writes measured costs; add --pipeline-costs auto or drop --pipeline-costs-out"
+    if spec is None:
+        return None
+    if not _splits_backward(name):
+        return (f"--pipeline-costs applies to schedules megatron-vshape builds from costs (zb-*, v-*); "
+                f"{name or 'the default 1f1b'} does not depend on them; drop --pipeline-costs")
+    if spec.strip().lower() == "auto":
+        iters = getattr(args, "pipeline_costs_iters", 3)
+        if iters < 1:
+            return f"--pipeline-costs-iters must be >= 1; got {iters}"
+        return None
+    try:
+        parse_pipeline_costs(spec)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+WATCHDOG_DEFAULT_SECONDS = {"gpu": 300.0, "cpu": 120.0}
+
+
+def check_watchdog(args, sizes) -> str | None:
+    seconds = getattr(args, "pipeline_watchdog", None)
+    if seconds is not None and not (math.isfinite(seconds) and seconds >= 0):
+        return f"--pipeline-watchdog must be a number of seconds >= 0 (0 turns it off); got {seconds}"
+    return None
+
+
+def watchdog_seconds(args) -> float:
+    """The watchdog timeout in force (0: off)."""
+    seconds = getattr(args, "pipeline_watchdog", None)
+    if seconds is None:
+        return WATCHDOG_DEFAULT_SECONDS["cpu" if getattr(args, "cpu", False) else "gpu"]
+    return seconds
+
+
+def check_save_writable(args, sizes) -> str | None:
+    """Refuse an unwritable --save now, not at the first save after hours of training.
+
+    Megatron creates the missing directories itself, so the nearest existing ancestor must be a
+    directory we can create a file in (a real probe: catches read-only mounts that mode bits miss).
+    """
+    save = getattr(args, "save", None)
+    if not save:
+        return None
+    import os
+    import tempfile
+
+    probe = os.path.abspath(save)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"--save {save}: {probe} exists and is not a directory; give a directory path"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        return f"--save {save}: cannot write into {probe} ({err.strerror}); give a writable directory"
+    return None
+
+
+# The CLI's flag names in generator messages, and the training flags that set the same thing.
+_TRAINING_FLAG_NAMES = (("--memory-limit", "--pipeline-memory-limit"), ("--costs", "--pipeline-costs"))
+
+
+def check_schedule_builds(args, sizes) -> str | None:
+    """Build (and validate) the schedule for the run's PP and microbatch count, as iteration 1 will.
+
+    Any ScheduleError a config can cause (v-auto under an unreachable --pipeline-memory-limit, a
+    generator that cannot meet its caps at this size) then fails at start-up on every rank, with
+    the training flags' names, instead of as a traceback at iteration 1. Runs only on an
+    otherwise valid combination (see :func:`problems`); large sizes print progress on rank 0.
+    """
+    name = _schedule(args)
+    if name is None or name in MEGATRON_OWN_SCHEDULES or sizes.num_microbatches is None:
+        return None
+    import os
+
+    from ..progress import phase
+    from ..schedules import Costs, get_schedule, inputs, validate
+
+    where = f"--pipeline-schedule {name} at PP={sizes.pp} with {sizes.num_microbatches} microbatches"
+    try:
+        size = inputs.Size(sizes.pp, sizes.num_microbatches, 2, devices_flag="--pipeline-model-parallel-size",
+                           microbatches_flag="microbatches (--global-batch-size / (--micro-batch-size x DP))")
+        size.check()
+        spec = getattr(args, "pipeline_costs", None)
+        costs = layout.schedule_costs(args, Costs.parse(spec) if spec and spec.strip().lower() != "auto" else Costs())
+        limit = getattr(args, "pipeline_memory_limit", None) if name == AUTO_SCHEDULE else None
+        extra = {} if limit is None else {"memory_limit": limit}
+        rank0 = os.environ.get("RANK", "0") == "0"
+        with phase(f"checking {where} ({size.passes:,} passes)", size.large and rank0, prefix="megatron-vshape"):
+            validate(get_schedule(name, sizes.pp, sizes.num_microbatches, costs, **extra))
+    except ValueError as err:  # ScheduleError, InvalidSchedule, InputError
+        text = " ".join(str(err).split())
+        for cli_flag, training_flag in _TRAINING_FLAG_NAMES:
+            text = text.replace(cli_flag + " ", training_flag + " ").replace(cli_flag + ":", training_flag + ":")
+        return f"{where}: {text}"
+    return None
+
+
+CHECKS: tuple[Check, ...] = (
+    check_pipeline_size, check_world_size, check_memory_limit, check_pipeline_layout, check_v_layers,
+    check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
+    check_cpu_features, check_split_conflicts, check_te_split, check_pipeline_costs,
+    check_watchdog, check_save_writable,
+)
+# Run only when CHECKS found nothing: building the schedule can take seconds at large sizes.
+FINAL_CHECKS: tuple[Check, ...] = (check_layout_resolves, check_schedule_builds)
+
+
+def problems(args: argparse.Namespace, checks: Iterable[Check] = CHECKS) -> list[str]:
+    """Every problem with ``args`` (one line each), in check order; empty when the combination is valid."""
+    sizes = Sizes.from_args(args)
+    unknown = check_known_schedule(args, sizes)
+    if unknown:  # the other checks look the schedule up; one clear line is enough
+        return [unknown]
+    found = [msg for check in checks if (msg := check(args, sizes)) is not None]
+    if not found and checks is CHECKS:
+        for check in FINAL_CHECKS:  # in order, first problem only: the schedule check needs the layout
+            if (msg := check(args, sizes)) is not None:
+                found = [msg]
+                break
+    return found
+
+
