@@ -135,7 +135,7 @@ def test_a_chunk_built_without_the_layout_is_refused(monkeypatch):
     """The safety net behind the model provider: rank 1's V chunk 1 is stage 6, layers 7 and 8."""
     from megatron.core import parallel_state
 
-    from megatron_vshape.megatron.install import ChunkBuilder
+    from megatron_vshape.megatron.model_chunks import ChunkBuilder
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: 4)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 1)
@@ -157,7 +157,7 @@ def test_a_config_built_beforehand_gets_the_v_layout_for_good(monkeypatch):
     its layout is replaced by the V-aware one and kept (sharded_state_dict asks it at save time)."""
     from megatron.core import parallel_state
 
-    from megatron_vshape.megatron.install import ChunkBuilder
+    from megatron_vshape.megatron.model_chunks import ChunkBuilder
     from megatron_vshape.runtime.layer_layout import VShapeLayerLayout
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: 4)

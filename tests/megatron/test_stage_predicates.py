@@ -12,7 +12,7 @@ import threading
 import pytest
 from megatron.core import parallel_state
 
-from megatron_vshape.megatron.install import _v_stage_predicates
+from megatron_vshape.megatron.model_chunks import v_stage_predicates
 from megatron_vshape.runtime.active_stage import active_stage, running_stage
 from megatron_vshape.schedules import Placement
 
@@ -27,7 +27,7 @@ def v_predicates(monkeypatch):
     # Registered with monkeypatch so that the originals come back after the test.
     monkeypatch.setattr(parallel_state, "is_pipeline_first_stage", parallel_state.is_pipeline_first_stage)
     monkeypatch.setattr(parallel_state, "is_pipeline_last_stage", parallel_state.is_pipeline_last_stage)
-    _v_stage_predicates()
+    v_stage_predicates()
     return lambda r: rank.update(value=r)
 
 

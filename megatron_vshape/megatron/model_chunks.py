@@ -1,0 +1,220 @@
+"""V placement in megatron.training's model construction, and stage questions answered for the V.
+
+``get_model``'s model provider and the config-container ``GPTModelBuilder`` both go through
+:class:`ChunkBuilder` (installed by :func:`wrap_model_construction`): chunk 1 of rank i becomes V stage
+2d-1-i with its layer offsets, pre/post-process and tied embeddings on rank 0, every layer optionally
+initialised from a (seed, global layer) stream. :func:`v_stage_predicates` makes
+``parallel_state.is_pipeline_first/last_stage`` answer for the V chunk that is running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from . import layout
+from .arguments import (
+    V_SCHEDULE_NAMES,
+    ConfigError,
+)
+
+
+class ChunkBuilder:
+    """Builds megatron model chunks for the chosen schedule, whichever way megatron.training builds them.
+
+    * V placement: chunk ``vp_stage`` of pipeline rank i is built as V stage i (chunk 0) or 2d-1-i
+      (chunk 1): its pre/post-process flags and a process-group collection whose pipeline view gives
+      megatron's layer offsets for that stage (:mod:`megatron_vshape.runtime.placement`); once both chunks
+      exist, a tied output layer gets the embedding's weights (both live on rank 0).
+    * ``--schedule-invariant-init``: each chunk is built under :func:`dropout_seed.invariant_init`.
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.is_v = args.pipeline_schedule in V_SCHEDULE_NAMES
+        self._chunks: list = []
+
+    def build(self, make, pre_process, post_process, vp_stage, pg_collection, config=None):
+        """``make(pre_process, post_process, vp_stage, pg_collection)`` builds one megatron module;
+        ``config``: the TransformerConfig it builds from, when built beforehand (config containers)."""
+        import contextlib
+
+        from megatron.core import parallel_state
+
+        if self.is_v:
+            pre_process, post_process, vp_stage, pg_collection = self._v_chunk(vp_stage, pg_collection)
+        context = contextlib.nullcontext()
+        if self.args.schedule_invariant_init:
+            from .dropout_seed import invariant_init
+
+            context = invariant_init(self.args.seed, parallel_state.get_tensor_model_parallel_rank())
+        with context, self._layout_for_build(config):
+            model = make(pre_process, post_process, vp_stage, pg_collection)
+        self._check_layers(model, vp_stage)
+        if self.is_v:
+            self._chunks.append(model)
+            if len(self._chunks) == 2:
+                from megatron_vshape.runtime.placement import tie_output_to_embedding
+
+                tie_output_to_embedding(self._chunks)
+                self._chunks = []
+        return model
+
+    @contextlib.contextmanager
+    def _layout_for_build(self, config=None):
+        """On a V with an uneven --pipeline-layout, the model gets megatron's layout class that answers
+        for V chunks (runtime.layer_layout): a ``config`` built beforehand (config containers) keeps it
+        for good (its sharded_state_dict asks later); a config the provider builds from args gets it
+        because args carry it while the provider runs. Args keep the text otherwise: checkpoints
+        store args and reload them with only safe classes."""
+        layers = layout.counts(self.args)
+        if not self.is_v or layers is None:
+            yield
+            return
+        from megatron.core import parallel_state
+
+        from megatron_vshape.runtime.layer_layout import megatron_layout
+        from megatron_vshape.schedules import Placement
+
+        placement = Placement.v_shape(parallel_state.get_pipeline_model_parallel_world_size())
+        if config is not None and getattr(config, "pipeline_model_parallel_layout", None) is not None:
+            config.pipeline_model_parallel_layout = megatron_layout(layers, placement)
+        text = self.args.pipeline_model_parallel_layout
+        self.args.pipeline_model_parallel_layout = megatron_layout(layers, placement)
+        try:
+            yield
+        finally:
+            self.args.pipeline_model_parallel_layout = text
+
+    def _check_layers(self, model, vp_stage) -> None:
+        """The chunk holds its stage's layers, numbered globally (a model path that bypassed the
+        layout would silently train another split, with wrong checkpoint keys)."""
+        layers = layout.counts(self.args)
+        if layers is None:
+            return
+        from megatron.core import parallel_state
+
+        from megatron_vshape.runtime.placement import chunk_specs
+        from megatron_vshape.schedules import Placement
+
+        d, rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+        placement = Placement.v_shape(d) if self.is_v else Placement.looped(d, len(layers) // d)
+        stage = chunk_specs(placement, rank)[vp_stage or 0].stage
+        want = list(range(sum(layers[:stage]) + 1, sum(layers[:stage + 1]) + 1))
+        decoder = getattr(_unwrap(model), "decoder", None)
+        got = [int(layer.layer_number) for layer in getattr(decoder, "layers", [])]
+        if got != want:
+            raise ConfigError(f"--pipeline-layout: stage {stage} was built with layers {got}, not {want}; the model "
+                              "provider must build GPTModel from the config megatron.training gives it")
+
+    def _v_chunk(self, vp_stage, pg_collection):
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from megatron_vshape.runtime.placement import chunk_pg_collection, chunk_specs
+        from megatron_vshape.schedules import Placement
+
+        if vp_stage is None:
+            raise ConfigError("--pipeline-schedule: a V schedule needs two model chunks per rank but megatron "
+                              "built one; do not override --num-virtual-stages-per-pipeline-rank")
+        placement = Placement.v_shape(parallel_state.get_pipeline_model_parallel_world_size())
+        spec = chunk_specs(placement, parallel_state.get_pipeline_model_parallel_rank())[vp_stage]
+        base = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+        return spec.pre_process, spec.post_process, spec.vp_stage, chunk_pg_collection(spec, placement, base)
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def wrap_model_construction(args) -> None:
+    """Route both of megatron.training's model paths through one :class:`ChunkBuilder`.
+
+    ``get_model(model_provider_func)`` (entry scripts with a model provider) and the config-container
+    path (``pretrain_cfg_container_from_args(args, model_cfg)``: ``GPTModelBuilder.build_model``).
+    """
+    import megatron.training.training as training
+
+    builder = ChunkBuilder(args)
+    original_get_model = training.get_model
+    if not getattr(original_get_model, "_vshape", False):
+
+        @functools.wraps(original_get_model)
+        def get_model(model_provider_func, *a, **kw):
+            return original_get_model(_provider_through(builder, model_provider_func), *a, **kw)
+
+        get_model._vshape = True
+        training.get_model = get_model
+    try:
+        from megatron.training.models.gpt import GPTModelBuilder
+    except ImportError:  # older megatron.training: no config-container builders
+        return
+    original_build = GPTModelBuilder.build_model
+    if getattr(original_build, "_vshape", False):
+        return
+
+    @functools.wraps(original_build)
+    def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
+        return builder.build(lambda pre, post, vp, pgs: original_build(self, pgs, pre, post, vp),
+                             pre_process, post_process, vp_stage, pg_collection,
+                             config=getattr(getattr(self, "_model_config", None), "transformer", None))
+
+    build_model._vshape = True
+    GPTModelBuilder.build_model = build_model
+
+
+def _provider_through(builder: ChunkBuilder, model_provider_func):
+    @functools.wraps(model_provider_func)
+    def provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None, **kw):
+        def make(pre, post, vp, pgs):
+            return model_provider_func(pre_process=pre, post_process=post, vp_stage=vp, config=config,
+                                       pg_collection=pgs, **kw)
+
+        return builder.build(make, pre_process, post_process, vp_stage, pg_collection)
+
+    return provider
+
+
+def v_stage_predicates() -> None:
+    """parallel_state's first/last-stage questions answer for the V placement's chunks.
+
+    On a V, chunk 0 of pipeline rank 0 is the first stage and chunk 1 of rank 0 the last.
+
+    * About a chunk (``vp_stage`` given, ``ignore_virtual=False``): the answer for that chunk.
+    * Any other form *during a pass* (a forward, backward or W of one chunk; the executor names it in
+      :mod:`megatron_vshape.runtime.active_stage`): the answer for the stage being run, as Megatron's
+      interleaved schedule gives with its current virtual rank. Megatron-LM's ``get_batch`` asks
+      ``mpu.is_pipeline_last_stage()`` without ``vp_stage`` to decide whether to load labels and the
+      loss mask; on rank 0 that must be True while the loss chunk runs.
+    * Between passes: Megatron's rank-level answers. The training loop reads the losses on the last
+      pipeline rank, where :func:`relay_losses` puts them.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_vshape.runtime.active_stage import active_stage
+
+    if getattr(parallel_state.is_pipeline_first_stage, "_vshape", False):
+        return
+    first, last = parallel_state.is_pipeline_first_stage, parallel_state.is_pipeline_last_stage
+
+    def v_answer(megatron_answer, ignore_virtual, vp_stage, chunk: int, of_active) -> bool:
+        if not ignore_virtual and vp_stage is not None:
+            return parallel_state.get_pipeline_model_parallel_rank() == 0 and vp_stage == chunk
+        running = active_stage()
+        if running is not None:
+            return of_active(running)
+        return megatron_answer(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+
+    @functools.wraps(first)
+    def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None):
+        return v_answer(first, ignore_virtual, vp_stage, 0, lambda running: running.is_first)
+
+    @functools.wraps(last)
+    def is_pipeline_last_stage(ignore_virtual=True, vp_stage=None):
+        return v_answer(last, ignore_virtual, vp_stage, 1, lambda running: running.is_last)
+
+    is_pipeline_first_stage._vshape = is_pipeline_last_stage._vshape = True
+    parallel_state.is_pipeline_first_stage = is_pipeline_first_stage
+    parallel_state.is_pipeline_last_stage = is_pipeline_last_stage
