@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -81,6 +82,23 @@ def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout
         if not clash or attempt + 1 == attempts:
             return result
     raise AssertionError("unreachable")
+
+
+# Megatron's iteration log line: "iteration 3/ 5 | ... | lm loss: 4.524867E+00 | ..."
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
+
+
+def launch_each(python: str, nproc: int, launches: dict[str, tuple[list[str], list[str]]],
+                timeout: float) -> dict[str, str]:
+    """torchrun every ``name: (entry, args)`` in order; return each one's output (a failed launch fails the test)."""
+    out = {}
+    for name, (entry, args) in launches.items():
+        result = torchrun(python, nproc, entry, args, timeout=timeout)
+        assert result.returncode == 0, f"{name}:\n{result.stdout[-5000:]}"
+        out[name] = result.stdout
+    return out
 
 
 def run_ranks_by_hand(python: str, args: list[str], world: int, timeout: float) -> list[tuple[int, str]]:

@@ -11,7 +11,7 @@ run computes what the uniform run computes: the layout does not change the maths
 import re
 
 import pytest
-from glue_support import ROOT, torchrun
+from glue_support import GRAD_NORM, LOSS, ROOT, launch_each
 from test_real_client import client_dir  # noqa: F401 (fixture: the Megatron-LM checkout, skipped without one)
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
@@ -20,8 +20,6 @@ TINY = ("--cpu --pipeline-schedule v-half --pipeline-model-parallel-size 4 --num
         "--num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
         "--global-batch-size 16 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
         "--vocab-size 1024 --log-interval 1").split()
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
-GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
 LAYOUT = re.compile(r"\[vshape\] pipeline layout: ([0-9,]+) transformer layers per stage")
 
 
@@ -34,12 +32,7 @@ def runs(mc19_python, client_dir, tmp_path_factory):  # noqa: F811 (the imported
                      [*TINY, "--pipeline-layout", "balanced", "--load", str(ckpt), "--ckpt-step", "3",
                       "--eval-interval", "5", "--eval-iters", "1"]),
     }
-    out = {}
-    for name, (entry, args) in launches.items():
-        result = torchrun(mc19_python, 4, entry, args, timeout=240)
-        assert result.returncode == 0, f"{name}:\n{result.stdout[-5000:]}"
-        out[name] = result.stdout
-    return out
+    return launch_each(mc19_python, 4, launches, timeout=240)
 
 
 @pytest.mark.timeout(600)

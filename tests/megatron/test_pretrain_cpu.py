@@ -12,7 +12,7 @@ import json
 import re
 
 import pytest
-from glue_support import ROOT, run_ranks_by_hand, torchrun
+from glue_support import GRAD_NORM, LOSS, ROOT, launch_each, run_ranks_by_hand
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -20,7 +20,6 @@ TINY = ("--cpu --pipeline-model-parallel-size 4 --num-layers 8 --hidden-size 64 
         "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
         "--train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
         "--log-interval 1").split()
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 VSHAPE = re.compile(r"\[vshape\] schedule (\S+) \| predicted bubble ([0-9.]+)% \| "
                     r"peak activation MiB per pipeline rank: ([0-9., ]+)")
 
@@ -36,7 +35,6 @@ def losses(output: str) -> dict[int, float]:
     return {int(i): float(v) for i, v in LOSS.findall(output)}
 
 
-GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +60,7 @@ def runs(mc19_python, tmp_path_factory):
     costs_file = tmp_path_factory.mktemp("costs") / "costs.json"
     launches["v-zb-replan"] = ([script], ["--pipeline-schedule", "v-zb", *TINY, "--pipeline-costs", "auto",
                                           "--pipeline-costs-iters", "2", "--pipeline-costs-out", str(costs_file)])
-    out = {"ckpt": ckpt, "costs_file": costs_file}
-    for name, (entry, args) in launches.items():
-        result = torchrun(mc19_python, 4, entry, args, timeout=240)
-        assert result.returncode == 0, f"{name}:\n{result.stdout[-5000:]}"
-        out[name] = result.stdout
-    return out
+    return {"ckpt": ckpt, "costs_file": costs_file, **launch_each(mc19_python, 4, launches, timeout=240)}
 
 
 @pytest.mark.timeout(900)

@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from glue_support import ROOT, torchrun
+from glue_support import LOSS, ROOT, torchrun
 
 from megatron_vshape.schedules import schedule_names
 
@@ -40,7 +40,6 @@ TINY = ("--cpu --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 
 ITERATIONS = [1, 2, 3, 4, 5]
 # Megatron's virtual pipeline needs its chunk count on the command line; every other schedule takes TINY as is.
 EXTRA_FLAGS = {"interleaved-1f1b": ["--num-virtual-stages-per-pipeline-rank", "2"]}
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 # Megatron's evaluation lines: during training ("at iteration 5 |") and after it ("... on validation set |").
 EVAL_LOSS = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: ([0-9.E+-]+)")
 RUN_TIMEOUT = 240

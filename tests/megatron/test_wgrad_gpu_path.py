@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from glue_support import ROOT, torchrun
+from glue_support import LOSS, ROOT, torchrun
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -20,7 +20,6 @@ ARGS = ("--cpu --pipeline-schedule v-zb --pipeline-model-parallel-size 2 --num-l
         "--global-batch-size 16 --train-iters 2 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
         "--vocab-size 128 --log-interval 1").split()
 W_COUNTS = re.compile(r"\[vshape\] schedule v-zb \|.*\| W deferred/run per pipeline rank: (\d+)/(\d+), (\d+)/(\d+)")
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 
 def _launch(python: str, entry: list[str]) -> str:
