@@ -26,7 +26,6 @@ from dataclasses import asdict, replace
 
 from megatron_vshape.testing import ModelSettings, RunSpec, run_check
 from megatron_vshape.testing.tiny_gpt import DTYPES, SPECS
-from megatron_vshape.testing.workers import num_stages
 
 
 def _parse(argv):
@@ -105,7 +104,7 @@ def _check_args(args) -> None:
     for flag in ("pp", "tp", "dp", "microbatches"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be >= 1")
-    stages = num_stages(args.schedule, args.pp)
+    stages = SCHEDULES[args.schedule].num_stages(args.pp)
     args.layout_counts = _layout_counts(args, stages)
     if args.layers % stages and args.layout_counts is None:
         raise SystemExit(f"--layers {args.layers} must divide into {stages} stages for {args.schedule} at --pp {args.pp}")

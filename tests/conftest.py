@@ -16,12 +16,23 @@ settings.register_profile("explore", derandomize=False, deadline=None, print_blo
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
-@pytest.fixture
-def split():
-    """The B/W split hook installed for one test; the hook's previous state restored afterwards."""
+def _wgrad_split_set_to(enabled: bool):
+    """Install (or remove) the B/W split hook for one test; restore its previous state afterwards."""
     from megatron_vshape.runtime.wgrad import disable_wgrad_split, enable_wgrad_split, wgrad_split_enabled
 
     was_enabled = wgrad_split_enabled()
-    enable_wgrad_split()
+    (enable_wgrad_split if enabled else disable_wgrad_split)()
     yield
     (enable_wgrad_split if was_enabled else disable_wgrad_split)()
+
+
+@pytest.fixture
+def split():
+    """The B/W split hook installed for one test."""
+    yield from _wgrad_split_set_to(True)
+
+
+@pytest.fixture
+def no_split():
+    """Megatron's own backward for one test."""
+    yield from _wgrad_split_set_to(False)

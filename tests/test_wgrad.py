@@ -32,15 +32,6 @@ from megatron_vshape.runtime.wgrad import (
 from megatron_vshape.testing import spawn
 
 
-@pytest.fixture
-def no_split():
-    """Megatron's own backward for one test; the hook's previous state restored afterwards."""
-    was_enabled = wgrad_split_enabled()
-    disable_wgrad_split()
-    yield
-    (enable_wgrad_split if was_enabled else disable_wgrad_split)()
-
-
 def _linear(x, weight, bias):
     from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 

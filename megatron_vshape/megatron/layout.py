@@ -44,17 +44,12 @@ def requested(args) -> bool:
 
 
 def _is_v(name: str | None) -> bool:
-    return name == "v-auto" or (name in SCHEDULES and SCHEDULES[name].placement is PlacementKind.V)
+    return name in SCHEDULES and SCHEDULES[name].placement is PlacementKind.V
 
 
 def num_stages(args, pp: int) -> int:
     """Global stages of the run's schedule: 2d on a V, d*v for interleaved-1f1b, else d."""
-    name = args.pipeline_schedule
-    if _is_v(name):
-        return 2 * pp
-    if name == "interleaved-1f1b":
-        return pp * (getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1)
-    return pp
+    return SCHEDULES[args.pipeline_schedule].num_stages(pp, getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1)
 
 
 def check(args, pp: int) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules import SCHEDULES, Costs, PlacementKind, ScheduleError
+from ..schedules import SCHEDULES, Costs, ScheduleError
 from .costs import CostModel, PassTimes
 from .layout import Layout
 from .memory import RESERVED_BYTES, MemoryEstimate, activation_model, activation_peaks, static_bytes
@@ -33,8 +33,7 @@ def split_name(name: str) -> tuple[str, bool]:
 
 def num_stages(name: str, pp: int) -> int:
     base, _ = split_name(name)
-    spec = SCHEDULES[base]
-    return 2 * pp if spec.placement is PlacementKind.V or base == "interleaved-1f1b" else pp
+    return SCHEDULES[base].num_stages(pp)
 
 
 @dataclass(frozen=True)

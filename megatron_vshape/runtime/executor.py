@@ -45,8 +45,8 @@ from megatron_vshape.schedules import (
 from megatron_vshape.schedules.exchange import Op, exchange_programs
 from megatron_vshape.schedules.exchange import forward_only_plan as _forward_only_plan
 
-from .iteration import Iteration, _device
-from .p2p import PairGroups
+from .iteration import Iteration
+from .p2p import PairGroups, local_device
 from .replan import (
     CostProfile,
     PassClock,
@@ -209,7 +209,7 @@ class ScheduleExecutor:
         if not profile.due():
             return
         profile.done = True
-        device = _device()
+        device = local_device()
         comm = measure_comm(run.pp_group, run.tensor_shape, run.dtype, device)
         seconds = agree_on_costs(profile.local_medians(), comm, device)
         costs = relative_costs(seconds, self._costs)

@@ -28,7 +28,7 @@ from megatron_vshape.schedules.exchange import forward_only_plan as _forward_onl
 
 from . import compat
 from .active_stage import running_stage
-from .p2p import PlanExchange
+from .p2p import PlanExchange, local_device
 from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
 from .watchdog import Progress
 
@@ -93,7 +93,7 @@ class Iteration:
         self.tensor_shape = tuple(shape)
         self.dtype = self.config.pipeline_dtype or self.config.params_dtype
         self.data_store: dict[int, list] = {}
-        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=_device())
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=local_device())
 
     def _make_chunks(self, models, data_iterator) -> list[Chunk]:
         stages = self.placement.stages_per_device[self.rank]
@@ -266,7 +266,7 @@ class Iteration:
             chunk.output_grads[action.microbatch] = tensor
 
     def _make_buffer(self, msg: Message) -> torch.Tensor:
-        return torch.empty(self.tensor_shape, dtype=self.dtype, device=_device())
+        return torch.empty(self.tensor_shape, dtype=self.dtype, device=local_device())
 
     def _check_drained(self) -> None:
         left = [(c.stage, sorted(c.outputs)) for c in self.chunks if c.outputs]
@@ -396,7 +396,3 @@ def _first_val_step(first_val_step, forward_only, cond: bool) -> bool:
     if first_val_step is not None and forward_only:
         return first_val_step and cond
     return cond
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

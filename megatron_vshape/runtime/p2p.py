@@ -59,7 +59,7 @@ class PairGroups:
         return self.groups[(lo, hi)]
 
     def _warm_up(self) -> None:
-        device = _device()
+        device = local_device()
         program = warmup_program(self.rank, len(self.ranks))
         runner = PlanExchange(program, self, lambda transfer: torch.zeros(1, device=device))
         runner.finish()
@@ -175,5 +175,6 @@ def _describe(op: Op, me: int) -> str:
     return " + ".join(parts)
 
 
-def _device() -> torch.device:
+def local_device() -> torch.device:
+    """This rank's current GPU, or the CPU (where tensors, buffers and messages live)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -72,6 +72,10 @@ class ScheduleSpec:
             return 2
         return chunks if self.takes_chunks else 1
 
+    def num_stages(self, num_devices: int, chunks: int = 2) -> int:
+        """Global pipeline stages on ``num_devices`` devices (2d on the V, d x chunks where it takes them)."""
+        return num_devices * self.chunks_per_device(chunks)
+
     @property
     def microbatch_rule(self) -> str:
         """The size rule in words, for `vshape list`."""

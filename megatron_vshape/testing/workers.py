@@ -188,7 +188,7 @@ def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refere
     from megatron_vshape.schedules import SCHEDULES, Costs, simulate
 
     limit = spec.memory_limit if getattr(SCHEDULES[name], "takes_memory_limit", False) else None
-    counts = spec.layout_for(num_stages(name, spec.pp))
+    counts = spec.layout_for(SCHEDULES[name].num_stages(spec.pp))
     costs = Costs() if counts is None else layout_costs(Costs(), counts)
     extra = {} if spec.executor_type is None else {"executor_type": spec.executor_type}
     fb = build_forward_backward_func(name, costs=costs, memory_limit=limit, **extra)
@@ -230,13 +230,6 @@ def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refere
         "peak_activation_bytes": meter.peak_bytes,
         "predicted_peak_units": simulate(schedule, costs).peak_memory[pp_rank],  # per-stage work with a layout
     }
-
-
-def num_stages(name: str, pp: int) -> int:
-    """Global stages of schedule ``name`` at ``pp`` devices (2 chunks per rank on a V and interleaved)."""
-    from megatron_vshape.schedules import SCHEDULES
-
-    return pp * SCHEDULES[name].chunks_per_device()
 
 
 def split_b_passes(program) -> int:
