@@ -29,7 +29,7 @@ from megatron_vshape.testing.tiny_gpt import DTYPES, SPECS
 
 
 def _parse(argv):
-    from megatron_vshape.cli import OneLineParser  # a usage error is one line, not argparse's usage dump
+    from megatron_vshape.cli_parser import OneLineParser  # a usage error is one line, not argparse's usage dump
     from megatron_vshape.schedules import schedule_names
 
     parser = OneLineParser(prog="vshape verify", description=__doc__.split("\n\n")[0])
@@ -172,7 +172,7 @@ def verdict(result: dict, grad_tol: float, loss_tol: float) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from megatron_vshape.cli import UsageError, usage_error
+    from megatron_vshape.cli_parser import UsageError, usage_error
 
     try:  # bad arguments: one `vshape: error:` line and exit 2, like every vshape subcommand
         args = _parse(argv)
