@@ -191,7 +191,9 @@ def effective(args, dest: str):
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Apply --cpu's settings and unmark the defaults add_arguments marked. Idempotent."""
-    from .checks import _schedule, uses_split_spec  # checks import this module's flags and defaults
+    # These modules import this one's flags and defaults, so not at the top.
+    from .feature_checks import uses_split_spec
+    from .sizes import schedule_of
 
     cpu = getattr(args, "cpu", False)
     for dest in CPU_DEFAULTS:
@@ -202,7 +204,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         for dest, value in CPU_OVERRIDES.items():
             if hasattr(args, dest):
                 setattr(args, dest, value)
-    if _schedule(args) in V_SCHEDULE_NAMES:
+    if schedule_of(args) in V_SCHEDULE_NAMES:
         # Megatron builds two model chunks per rank (vp_stage 0 and 1); install() gives them V layers.
         args.num_virtual_stages_per_pipeline_rank = 2
     layout.apply(args)  # uneven --pipeline-layout: Megatron's own layout flag (2 chunks follow from it)
@@ -212,7 +214,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.spec = list(SPLIT_SPEC_ARG)
     for dest in ("schedule_invariant_dropout", "schedule_invariant_init"):
         if getattr(args, dest, None) is None:
-            setattr(args, dest, _schedule(args) is not None)
+            setattr(args, dest, schedule_of(args) is not None)
     return args
 
 

@@ -3,80 +3,45 @@
 Each check takes the parsed args and the derived :class:`Sizes` and returns one line naming the flag
 and the fix, or None. :func:`problems` runs them in order; ``arguments.validate`` raises the first as
 a :class:`~.arguments.ConfigError` before Megatron's own ``validate_args`` runs.
+
+This module holds the checks on sizes, layouts, schedules and run options, and the order they run in;
+the checks on Megatron features (``--cpu``, B/W split conflicts, Transformer Engine) are in
+``feature_checks``, what every check reads (:class:`Sizes`, the schedule asked for) in ``sizes``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from importlib import metadata
+from collections.abc import Iterable
 
-from ..schedules import SCHEDULES, fuses_backward
+from ..schedules import SCHEDULES
 from . import layout
 from .arguments import (
     AUTO_SCHEDULE,
     MEGATRON_OWN_SCHEDULES,
     SCHEDULE_CHOICES,
-    SPLIT_SPEC_ARG,
     V_SCHEDULE_NAMES,
     ConfigError,
-    effective,
 )
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The parallel sizes the checks need, derived the way Megatron's validate_args derives them."""
-
-    world: int
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    num_microbatches: int | None  # None when the batch sizes do not divide (reported separately)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Sizes:
-        tp = _get(args, "tensor_model_parallel_size", 1)
-        pp = _get(args, "pipeline_model_parallel_size", 1)
-        cp = _get(args, "context_parallel_size", 1)
-        world = _get(args, "world_size", tp * pp * cp)
-        dp = max(world // max(tp * pp * cp, 1), 1)
-        mbs = _get(args, "micro_batch_size", 1)
-        gbs = _get(args, "global_batch_size", None) or mbs * dp
-        m = gbs // (mbs * dp) if gbs % (mbs * dp) == 0 else None
-        return cls(world, tp, pp, cp, dp, m)
-
-
-def _get(args: argparse.Namespace, name: str, default):
-    value = getattr(args, name, None)
-    return default if value is None else value
-
-
-Check = Callable[[argparse.Namespace, Sizes], "str | None"]
-
-
-def _schedule(args) -> str | None:
-    return getattr(args, "pipeline_schedule", None)
-
-
-def _splits_backward(name: str | None) -> bool:
-    if name is None or name in MEGATRON_OWN_SCHEDULES:
-        return False
-    return not fuses_backward(name)
+from .feature_checks import (
+    check_cpu_backend,
+    check_cpu_features,
+    check_split_conflicts,
+    check_te_split,
+)
+from .sizes import Check, Sizes, arg_or, schedule_of, splits_backward
 
 
 def check_known_schedule(args, sizes) -> str | None:
-    name = _schedule(args)
+    name = schedule_of(args)
     if name is not None and name not in SCHEDULE_CHOICES:
         return f"--pipeline-schedule: unknown schedule {name!r}; use one of {', '.join(SCHEDULE_CHOICES)}"
     return None
 
 
 def check_pipeline_size(args, sizes) -> str | None:
-    name = _schedule(args)
+    name = schedule_of(args)
     if name is not None and sizes.pp < 2:
         return (f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 (got {sizes.pp}); "
                 "raise it or drop --pipeline-schedule")
@@ -93,7 +58,7 @@ def check_world_size(args, sizes) -> str | None:
 
 def check_memory_limit(args, sizes) -> str | None:
     limit = getattr(args, "pipeline_memory_limit", None)
-    name = _schedule(args)
+    name = schedule_of(args)
     if limit is not None and name != AUTO_SCHEDULE:
         return f"--pipeline-memory-limit applies only to --pipeline-schedule {AUTO_SCHEDULE}; drop it or switch schedule"
     if limit is not None and not 0.0 < limit <= 1.0:
@@ -118,7 +83,7 @@ def check_layout_resolves(args, sizes) -> str | None:
 
 
 def check_v_layers(args, sizes) -> str | None:
-    name = _schedule(args)
+    name = schedule_of(args)
     if name not in V_SCHEDULE_NAMES or getattr(args, "num_layers", None) is None or layout.requested(args):
         return None
     total, chunks = accounted_layers(args), 2 * sizes.pp
@@ -139,7 +104,7 @@ _VIRTUAL_FLAGS = (
 
 def check_v_layout_flags(args, sizes) -> str | None:
     """V schedules fix the virtual pipeline (2 chunks in a V) and the uniform layer split themselves."""
-    name = _schedule(args)
+    name = schedule_of(args)
     if name not in V_SCHEDULE_NAMES:
         return None
     for dest, flag in (
@@ -155,7 +120,7 @@ def check_v_layout_flags(args, sizes) -> str | None:
 
 def check_single_chunk_flags(args, sizes) -> str | None:
     """Looped schedules other than interleaved-1f1b run one model chunk per rank."""
-    name = _schedule(args)
+    name = schedule_of(args)
     if name is None or name in V_SCHEDULE_NAMES or name == "interleaved-1f1b":
         return None
     for dest, flag in _VIRTUAL_FLAGS:
@@ -166,7 +131,7 @@ def check_single_chunk_flags(args, sizes) -> str | None:
 
 
 def check_interleaved_has_chunks(args, sizes) -> str | None:
-    if _schedule(args) != "interleaved-1f1b":
+    if schedule_of(args) != "interleaved-1f1b":
         return None
     if not any(getattr(args, d, None) for d in (
             "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
@@ -177,14 +142,14 @@ def check_interleaved_has_chunks(args, sizes) -> str | None:
 
 
 def check_microbatches(args, sizes) -> str | None:
-    name = _schedule(args)
+    name = schedule_of(args)
     if name is None:
         return None
     if sizes.num_microbatches is None:
-        mbs = _get(args, "micro_batch_size", 1)
+        mbs = arg_or(args, "micro_batch_size", 1)
         return (f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x "
                 f"data-parallel size = {mbs} x {sizes.dp}; change either")
-    m, mbs, spec = sizes.num_microbatches, _get(args, "micro_batch_size", 1), SCHEDULES[name]
+    m, mbs, spec = sizes.num_microbatches, arg_or(args, "micro_batch_size", 1), SCHEDULES[name]
     problem = spec.check(sizes.pp, m)  # the schedule's own size rule (PP = its devices)
     if problem:
         fit = spec.nearest_microbatches(sizes.pp, m)
@@ -192,95 +157,6 @@ def check_microbatches(args, sizes) -> str | None:
                 f"use --global-batch-size {fit * mbs * sizes.dp} ({fit} microbatches)")
     return None
 
-
-def check_cpu_backend(args, sizes) -> str | None:
-    if getattr(args, "cpu", False) and effective(args, "distributed_backend") not in (None, "gloo"):
-        return f"--cpu needs the gloo backend, not --distributed-backend {args.distributed_backend}; drop that flag or use gloo"
-    return None
-
-
-def check_cpu_features(args, sizes) -> str | None:
-    if not getattr(args, "cpu", False):
-        return None
-    if effective(args, "transformer_impl") not in (None, "local"):
-        return "--cpu runs megatron-core's torch layers; use --transformer-impl local (or drop the flag)"
-    if getattr(args, "sequence_parallel", False):
-        # Megatron's torch norms (the only ones without apex / TE) assert on sequence parallel.
-        return "--sequence-parallel needs apex or Transformer Engine norms, which --cpu does not have; drop --sequence-parallel"
-    for dest, flag in (("fp16", "--fp16"), ("fp8", "--fp8-format"), ("tp_comm_overlap", "--tp-comm-overlap"),
-                       ("use_flash_attn", "--use-flash-attn")):
-        if getattr(args, dest, None):
-            return f"{flag} is CUDA-only and cannot run with --cpu; drop {flag}"
-    return None
-
-
-# Features that reduce, overlap or fuse weight gradients at the moment the full backward ends,
-# which a deferred W (after B, sometimes much later) breaks. (flag, dest, why)
-_SPLIT_CONFLICTS = (
-    ("--overlap-grad-reduce", "overlap_grad_reduce", "gradient buckets would be reduced before W runs"),
-    ("--overlap-param-gather", "overlap_param_gather", "it relies on --overlap-grad-reduce's bucket hooks"),
-    ("--delay-wgrad-compute", "delay_wgrad_compute",
-     "the schedule defers W itself, in megatron's linear layers; TE's deferral is for its MoE overlap"),
-    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", "the schedule already defers W"),
-    ("--tp-comm-overlap", "tp_comm_overlap", "TE's userbuffer overlap is not wired to deferred W yet"),
-    ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", "it has its own wgrad schedule"),
-    ("--recompute-granularity", "recompute_granularity", "recomputation inside a split backward is untested"),
-    ("--cpu-offloading-num-layers", "cpu_offloading_num_layers", "offloading hooks assume a fused backward"),
-)
-
-
-def check_split_conflicts(args, sizes) -> str | None:
-    name = _schedule(args)
-    if not _splits_backward(name):
-        return None
-    for flag, dest, why in _SPLIT_CONFLICTS:
-        if getattr(args, dest, None):
-            return (f"{flag} conflicts with --pipeline-schedule {name} ({why}); drop {flag} or use a "
-                    "schedule without B/W split (1f1b, interleaved-1f1b, gpipe)")
-    return None
-
-
-def installed_te_version() -> tuple[int, ...] | None:
-    """Transformer Engine's version from package metadata (never imports TE), or None."""
-    for dist in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
-        try:
-            text = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-        return tuple(int(p) for p in text.split("+")[0].split(".")[:3] if p.isdigit())
-    return None
-
-
-def apex_wgrad_kernel_installed() -> bool:
-    """apex's fused weight-gradient kernel, which megatron's linears need for gradient accumulation fusion."""
-    import importlib.util
-
-    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-
-
-def uses_split_spec(args) -> bool:
-    """Split schedule on Transformer Engine without a --spec of the user's: the split layer spec is used."""
-    return (_splits_backward(_schedule(args)) and effective(args, "transformer_impl") == "transformer_engine"
-            and getattr(args, "spec", None) in (None, SPLIT_SPEC_ARG))
-
-
-def check_te_split(args, sizes, te_version: Callable[[], tuple | None] = installed_te_version,
-                   wgrad_kernel: Callable[[], bool] = apex_wgrad_kernel_installed) -> str | None:
-    """Split schedules on TE get the split layer spec (megatron linears, TE attention and norms)."""
-    if not uses_split_spec(args):
-        return None
-    name = _schedule(args)
-    for dest, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format")):
-        if getattr(args, dest, None):
-            return (f"{flag} needs Transformer Engine's linear layers, which --pipeline-schedule {name} replaces by "
-                    "megatron's (they split B and W); drop it or use a schedule without B/W split (1f1b, interleaved-1f1b)")
-    if te_version() is None:
-        return (f"--transformer-impl transformer_engine with --pipeline-schedule {name} uses TE's fused attention "
-                "and norms (Transformer Engine not installed); install it or use --transformer-impl local")
-    if getattr(args, "gradient_accumulation_fusion", False) and not wgrad_kernel():
-        return (f"--pipeline-schedule {name} runs megatron's linear layers, whose gradient accumulation fusion needs "
-                "apex's fused_weight_gradient_mlp_cuda (not installed); add --no-gradient-accumulation-fusion or install apex")
-    return None
 
 
 def parse_pipeline_costs(text: str):
@@ -294,12 +170,12 @@ def parse_pipeline_costs(text: str):
 
 
 def check_pipeline_costs(args, sizes) -> str | None:
-    spec, name = getattr(args, "pipeline_costs", None), _schedule(args)
+    spec, name = getattr(args, "pipeline_costs", None), schedule_of(args)
     if getattr(args, "pipeline_costs_out", None) and spec != "auto":
         return "--pipeline-costs-out writes measured costs; add --pipeline-costs auto or drop --pipeline-costs-out"
     if spec is None:
         return None
-    if not _splits_backward(name):
+    if not splits_backward(name):
         return (f"--pipeline-costs applies to schedules megatron-vshape builds from costs (zb-*, v-*); "
                 f"{name or 'the default 1f1b'} does not depend on them; drop --pipeline-costs")
     if spec.strip().lower() == "auto":
@@ -369,7 +245,7 @@ def check_schedule_builds(args, sizes) -> str | None:
     the training flags' names, instead of as a traceback at iteration 1. Runs only on an
     otherwise valid combination (see :func:`problems`); large sizes print progress on rank 0.
     """
-    name = _schedule(args)
+    name = schedule_of(args)
     if name is None or name in MEGATRON_OWN_SCHEDULES or sizes.num_microbatches is None:
         return None
     import os
