@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from .actions import Action, Kind
 from .dependencies import dependencies
 from .inputs import EPS as _EPS
-from .schedule import Costs, Placement, Schedule, ScheduleError
+from .ledger import MemoryLedger, input_ready
+from .schedule import Costs, MemoryModel, Placement, Schedule, ScheduleError
+from .timing import UNSET, PassIds
 
 
 class Admission(enum.Enum):
@@ -35,7 +37,7 @@ class Admission(enum.Enum):
 
 @dataclass(frozen=True)
 class GreedyConfig:
-    memory_caps: Sequence[float]  # per device, in memory units (default model: W frees)
+    memory_caps: Sequence[float]  # per device, in memory units, counted under ``memory``
     priority: Callable[[Action], tuple]
     inflight_limits: Sequence[int] | None = None  # per device: max F whose B has not run
     admission: Admission = Admission.RESERVE_ALL
@@ -43,32 +45,36 @@ class GreedyConfig:
     # this time (e.g. a gradient still in flight for ``comm``): starting a W there would delay
     # the backward chain by a whole W.
     wait_window: float = 0.0
+    # The activation model the caps are kept under (the simulator's ledger): where B frees part,
+    # the freed memory admits more forwards.
+    memory: MemoryModel = MemoryModel()
 
 
 @dataclass
 class _DeviceState:
-    """Per-device memory bookkeeping of one greedy run (local to that run)."""
+    """Per-device admission bookkeeping of one greedy run (local to that run); the memory
+    itself is counted by the shared ledger."""
 
-    activation: list[float]  # per stage: one F's activation (weighted by the stage's memory)
+    ledger: MemoryLedger
+    activation: tuple[float, ...]  # per stage: one F's allocation (the ledger's F deltas)
     entry: list[float]  # per device: what admitting a microbatch reserves (all its stages' F)
     headroom: list[float]  # per device: room kept for one later-chunk F (HEADROOM admission)
     first_stage: list[int]
-    memory: list[float]
     reserved: list[float]
     inflight: list[int]
 
     @classmethod
-    def start(cls, placement: Placement, costs: Costs) -> _DeviceState:
+    def start(cls, placement: Placement, costs: Costs, memory: MemoryModel) -> _DeviceState:
         n = placement.num_devices
-        costs.check_stages(placement.num_stages)
-        activation = [placement.layer_scale / 2.0 * costs.memory_of(s) for s in range(placement.num_stages)]
+        ledger = MemoryLedger(placement, costs, memory)
+        activation = ledger.deltas[: placement.num_stages]
         later = [[activation[s] for s in stages if s != min(stages)] for stages in placement.stages_per_device]
         return cls(
+            ledger=ledger,
             activation=activation,
             entry=[sum(activation[s] for s in stages) for stages in placement.stages_per_device],
             headroom=[max(stages, default=0.0) for stages in later],
             first_stage=[min(stages) for stages in placement.stages_per_device],
-            memory=[0.0] * n,
             reserved=[0.0] * n,
             inflight=[0] * n,
         )
@@ -93,7 +99,9 @@ def greedy_schedule(
     num_devices, num_stages = placement.num_devices, placement.num_stages
     scale = placement.layer_scale
     device_of = placement.device_of
-    end_time: dict[Action, float] = {}
+    stage_device = [device_of(s) for s in range(num_stages)]
+    ids = PassIds(num_stages, num_microbatches)
+    end_time = [UNSET] * (3 * ids.per_kind)
     missing: dict[Action, int] = {}
     heaps: list[list] = [[] for _ in range(num_devices)]
     ready_at: dict[Action, float] = {}
@@ -102,16 +110,13 @@ def greedy_schedule(
     # pass is offered to it or becomes ready there. Only those devices are looked at then (a
     # scan of every device at every instant made large pipelines quadratic).
     events: list[tuple[float, int]] = []
-    state = _DeviceState.start(placement, costs)
+    state = _DeviceState.start(placement, costs, config.memory)
     programs: list[list[Action]] = [[] for _ in range(num_devices)]
     priority = config.priority
 
     def offer(action: Action) -> None:
-        device = device_of(action.stage)
-        ready = 0.0
-        for dep in dependencies(action, num_stages):
-            comm = costs.comm if device_of(dep.stage) != device else 0.0
-            ready = max(ready, end_time[dep] + comm)
+        device = stage_device[action.stage]
+        ready = input_ready(ids.of(action), end_time, ids, stage_device, costs.comm)
         ready_at[action] = ready
         heapq.heappush(heaps[device], (priority(action), action))
         heapq.heappush(events, (ready, device))
@@ -129,7 +134,7 @@ def greedy_schedule(
             if chosen is None:
                 continue
             end = now + costs.of(chosen.kind, chosen.stage) * scale
-            end_time[chosen] = end
+            end_time[ids.of(chosen)] = end
             free_at[device] = end
             heapq.heappush(events, (end, device))
             programs[device].append(chosen)
@@ -183,30 +188,27 @@ def _allowed(action, device, state: _DeviceState, config) -> bool:
     if config.admission is Admission.RESERVE_ALL:
         if not entering:
             return True  # admitted earlier: its memory is reserved
-        if state.memory[device] + state.reserved[device] + state.entry[device] > cap:
+        if state.ledger.level[device] + state.reserved[device] + state.entry[device] > cap:
             return False
     else:
         headroom = state.headroom[device]
         if config.admission is Admission.NONE or not entering:
             headroom = 0.0
-        if state.memory[device] + state.activation[action.stage] + headroom > cap:
+        if state.ledger.level[device] + state.activation[action.stage] + headroom > cap:
             return False
     limits = config.inflight_limits
     return limits is None or state.inflight[device] < limits[device]
 
 
 def _account(action, device, state: _DeviceState) -> None:
-    activation = state.activation[action.stage]
+    state.ledger.apply(device, action.kind, action.stage)
     if action.kind is Kind.F:
         if action.stage == state.first_stage[device]:
             state.reserved[device] += state.entry[device]
-        state.reserved[device] -= activation
-        state.memory[device] += activation
+        state.reserved[device] -= state.activation[action.stage]
         state.inflight[device] += 1
     elif action.kind is Kind.B:
         state.inflight[device] -= 1
-    else:
-        state.memory[device] -= activation
 
 
 def _due_devices(now: float, events: list[tuple[float, int]]) -> list[int]:

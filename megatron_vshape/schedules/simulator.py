@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .actions import Action
+from .ledger import pass_deltas
 from .schedule import Costs, MemoryModel, Schedule, ScheduleError
 from .timing import KINDS, Interval, ProgramTimes, Timeline, run_programs, stage_durations
 
@@ -74,9 +75,9 @@ def simulate(
     # balanced layout removes) counts too, not only the busiest device's.
     mean_work = most_work if costs.uniform else sum(work) / len(work) if work else 0.0
     bubble = 1.0 - mean_work / makespan if makespan > 0 else 0.0
-    # Memory deltas per (kind, stage), indexed like the durations (pass id // microbatches).
-    deltas = tuple(memory.delta(kind, schedule.activation(stage, costs))
-                   for kind in KINDS for stage in range(schedule.num_stages))
+    # Memory deltas per (kind, stage), indexed like the durations (pass id // microbatches): the
+    # ledger's, so the generators cap under the count reported here.
+    deltas = pass_deltas(schedule.placement, costs, memory)
     mem_timelines = tuple(_memory_timeline(times, program, deltas) for program in times.programs)
     peaks = tuple(max((v for _, v in tl), default=0.0) for tl in mem_timelines)
     timeline = Timeline(times, schedule.programs)

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .actions import Action, Kind
+from .ledger import MemoryLedger
 from .schedule import Costs, MemoryModel, Placement, Schedule, one_f_one_b_peak
 
 F_LOW, F_HIGH, B_HIGH, B_LOW, W_HIGH, W_LOW = range(6)
@@ -51,22 +52,20 @@ class _Builder:
         # Unequal stages: a device may get ahead of its inputs, so the phases skip (or place
         # upstream first) what is not ready instead of failing; equal stages never need it.
         self.uneven = not costs.uniform
-        release = memory.b_release
-        # Per device and lane: the time of the pass, and the memory change in chunk activations
-        # (one F of one uniform chunk = 1; 1F1B's peak d units = 2d), weighted by the stage's memory.
+        # Per device and lane: the time of the pass, and the memory change from the shared ledger
+        # in chunk activations (unit 2: one F of one uniform chunk = 1; 1F1B's peak d units = 2d).
+        self.ledger = MemoryLedger(Placement.v_shape(d), costs, memory, unit=2.0)
         self.cost, self.delta = [], []
         for device in range(d):
             stage = (device, 2 * d - 1 - device)
             lane_stage = (stage[0], stage[1], stage[1], stage[0], stage[1], stage[0])
             self.cost.append(tuple(costs.of(_KIND[lane], lane_stage[lane]) for lane in range(6)))
-            low, high = (costs.memory_of(s) for s in stage)
-            self.delta.append((low, high, -release * high, -release * low, (release - 1.0) * high,
-                               (release - 1.0) * low))
+            self.delta.append(tuple(self.ledger.delta(_KIND[lane], lane_stage[lane]) for lane in range(6)))
         self.cap = 2.0 * cap_units + 1e-9
         self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(6)]
         self.count = [[0] * 6 for _ in range(d)]
         self.now = [0.0] * d
-        self.mem = [0.0] * d
+        self.mem = self.ledger.level  # updated in place by put (the hot loop), read by the ledger
         self.idle = [0.0] * d
         self.max_idle = 0.0  # max(self.idle), kept up to date (asked for before every F and B)
         self.pending_w: list[deque] = [deque() for _ in range(d)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .actions import Action, Kind
+from .ledger import MemoryLedger
 from .schedule import Costs, MemoryModel, Placement, Schedule
 
 _F, _B, _W = 0, 1, 2
@@ -46,16 +47,16 @@ class _Builder:
         self.limits = inflight_limits
         self.comm = costs.comm
         costs.check_stages(d, "the looped zero-bubble schedule")
-        # Per stage (= device): (F, B, W) time, one stage = two V chunks; memory change per kind.
+        # Per stage (= device): (F, B, W) time, one stage = two V chunks; memory change per kind
+        # and level per device from the shared ledger (the simulator's count under ``memory``).
         self.cost = [tuple(2.0 * costs.of(kind, stage) for kind in _KIND) for stage in range(d)]
-        release = memory.b_release
-        self.delta = [(weight, -release * weight, (release - 1.0) * weight)
-                      for weight in (costs.memory_of(stage) for stage in range(d))]
+        self.ledger = MemoryLedger(Placement.looped(d), costs, memory)
+        self.delta = [self.ledger.stage_deltas(stage) for stage in range(d)]
         self.cap = cap_units + 1e-9
         self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(3)]
         self.count = [[0, 0, 0] for _ in range(d)]
         self.now = [0.0] * d
-        self.mem = [0.0] * d
+        self.mem = self.ledger.level  # updated in place by put (the hot loop), read by the ledger
         self.idle = [0.0] * d
         self.programs: list[list[tuple[int, int]]] = [[] for _ in range(d)]
 

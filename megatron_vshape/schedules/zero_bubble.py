@@ -93,8 +93,9 @@ class GreedyFamily:
 Candidate = Callable[[int, int], Schedule | None]
 
 
-def greedy_candidates(family: GreedyFamily, costs: Costs) -> list[Candidate]:
-    """One candidate per rule variant of the greedy list scheduler (same count for every d)."""
+def greedy_candidates(family: GreedyFamily, costs: Costs, memory: MemoryModel = MemoryModel()) -> list[Candidate]:
+    """One candidate per rule variant of the greedy list scheduler (same count for every d), its
+    caps kept under ``memory``."""
 
     def build(index: int) -> Candidate:
         def candidate(num_devices: int, num_microbatches: int) -> Schedule | None:
@@ -102,7 +103,7 @@ def greedy_candidates(family: GreedyFamily, costs: Costs) -> list[Candidate]:
             sized = sized_costs(costs, family.placement(num_devices).num_stages)
             config = GreedyConfig(
                 family.memory_caps(num_devices, sized), variant.priority, variant.inflight_limits,
-                variant.admission, variant.wait_window,
+                variant.admission, variant.wait_window, memory,
             )
             try:
                 return greedy_schedule(family.name, family.placement(num_devices), num_microbatches, sized, config)
@@ -114,29 +115,32 @@ def greedy_candidates(family: GreedyFamily, costs: Costs) -> list[Candidate]:
 
 
 def best_of(name: str, candidates: Sequence[Candidate], num_devices: int, num_microbatches: int,
-            costs: Costs) -> Schedule:
-    """The lowest-makespan schedule among the candidates (ties: lower peak, then list order).
+            costs: Costs, memory: MemoryModel = MemoryModel()) -> Schedule:
+    """The lowest-makespan schedule among the candidates (ties: lower peak under ``memory``, then
+    list order).
 
     Large problems rank the candidates on a smaller pipeline (at most 16 devices, 4
     microbatches per device: the steady state decides the winner there too) and build only the
     best at full size; a winner that fails at full size hands over to the next.
     """
     if num_devices * num_microbatches <= _FULL_SIZE_RANKING_MAX_CELLS:
-        ranked = _rank(candidates, num_devices, num_microbatches, costs)
+        ranked = _rank(candidates, num_devices, num_microbatches, costs, memory)
         if not ranked:
             raise ScheduleError(f"{name}: no variant fits the memory caps")
         return ranked[0][2]
     proxy_d = min(num_devices, 16)
-    for _, index, _ in _rank(candidates, proxy_d, min(num_microbatches, 4 * proxy_d), costs):
+    for _, index, _ in _rank(candidates, proxy_d, min(num_microbatches, 4 * proxy_d), costs, memory):
         schedule = candidates[index](num_devices, num_microbatches)
         if schedule is not None:
             return schedule
     raise ScheduleError(f"{name}: no variant fits the memory caps")
 
 
-def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
+def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, costs: Costs,
+                memory: MemoryModel = MemoryModel()) -> Schedule:
     """The lowest-makespan greedy schedule over the rule variants (ties: lower peak memory)."""
-    return best_of(family.name, greedy_candidates(family, costs), num_devices, num_microbatches, costs)
+    return best_of(family.name, greedy_candidates(family, costs, memory), num_devices, num_microbatches, costs,
+                   memory)
 
 
 def sized_costs(costs: Costs, num_stages: int) -> Costs:
@@ -153,7 +157,7 @@ def sized_costs(costs: Costs, num_stages: int) -> Costs:
     return costs.with_stages(costs.stages[round(s * (count - 1) / (num_stages - 1))] for s in range(num_stages))
 
 
-def _rank(candidates, num_devices, num_microbatches, costs):
+def _rank(candidates, num_devices, num_microbatches, costs, memory=MemoryModel()):
     """(key, candidate index, schedule) for every candidate that builds, best first; stops at
     the first schedule without any bubble (nothing can beat it on makespan)."""
     ranked = []
@@ -161,7 +165,7 @@ def _rank(candidates, num_devices, num_microbatches, costs):
         schedule = candidate(num_devices, num_microbatches)
         if schedule is None:
             continue
-        result = simulate(schedule, sized_costs(costs, schedule.num_stages))
+        result = simulate(schedule, sized_costs(costs, schedule.num_stages), memory)
         ranked.append(((round(result.makespan, 9), result.peak_memory_max, index), index, schedule))
         if result.bubble_rate <= 1e-12:
             break
@@ -194,8 +198,8 @@ V_ZB = GreedyFamily("v-zb", Placement.v_shape, _caps(1.0))
 
 def zb_h1(num_devices: int, num_microbatches: int, costs: Costs, memory: MemoryModel = MemoryModel()) -> Schedule:
     """ZB-H1: 1F1B's memory and in-flight count, W passes moved into the bubbles."""
-    candidates = _constructive_zb("zb-h1", 1.0, costs, memory, limited=True) + greedy_candidates(ZB_H1, costs)
-    return best_of("zb-h1", candidates, num_devices, num_microbatches, costs)
+    candidates = _constructive_zb("zb-h1", 1.0, costs, memory, limited=True) + greedy_candidates(ZB_H1, costs, memory)
+    return best_of("zb-h1", candidates, num_devices, num_microbatches, costs, memory)
 
 
 def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int,
@@ -204,12 +208,12 @@ def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int,
     builder's variants and the greedy scheduler's (ZB-H1's in-flight limit among them, so
     ZB-1P is never worse than ZB-H1).
 
-    The constructive builder keeps the cap under ``memory`` (with B freeing part, more forwards
-    fit); the greedy variants count with the paper's model, which is never lower, so they fit too.
+    Every candidate keeps the cap under ``memory`` with the simulator's ledger (with B freeing
+    part, more forwards fit).
     """
     family = ZB_1P if factor == 1 else ZB_2P
-    candidates = _constructive_zb(family.name, float(factor), costs, memory) + greedy_candidates(family, costs)
-    return best_of(family.name, candidates, num_devices, num_microbatches, costs)
+    candidates = _constructive_zb(family.name, float(factor), costs, memory) + greedy_candidates(family, costs, memory)
+    return best_of(family.name, candidates, num_devices, num_microbatches, costs, memory)
 
 
 def _constructive_zb(name: str, factor: float, costs: Costs, memory: MemoryModel = MemoryModel(),
@@ -242,5 +246,5 @@ def v_zb(num_devices: int, num_microbatches: int, costs: Costs, memory: MemoryMo
     # Unequal stages: the greedy scheduler always competes too. Measured over four per-stage
     # settings (d 4/8, m 2d/4d, with and without comm) each won about half the cells, by up to 8 %.
     if num_microbatches < 2 * num_devices or num_devices <= 2 or not costs.uniform:
-        candidates += greedy_candidates(V_ZB, costs)  # capped under the paper's model: fits any finer one
-    return best_of("v-zb", candidates, num_devices, num_microbatches, costs)
+        candidates += greedy_candidates(V_ZB, costs, memory)
+    return best_of("v-zb", candidates, num_devices, num_microbatches, costs, memory)

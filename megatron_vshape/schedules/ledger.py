@@ -1,0 +1,115 @@
+"""One memory accounting and one ready-time rule for the generators and the simulator.
+
+A schedule is capped under the same :class:`MemoryModel` it is reported under only if both
+count alike. Here is that count: F allocates its stage's activation, B and W release it in the
+shares the model says (``MemoryModel.delta``), each stage weighted by ``Costs.memory_of``.
+A device runs its program in order, so its level after each pass in program order is the level
+the simulator's timed memory timeline reports (F allocates at its start, B/W release at their
+end, both after the previous pass ended): a generator that keeps every prefix within a cap keeps
+the simulated peak within it.
+
+Tables are flat and indexed like the timing core's durations (``kind * num_stages + stage``),
+and ready times use its pass-id numbering (:class:`timing.PassIds`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from .actions import Kind
+from .inputs import EPS
+from .schedule import Costs, MemoryModel, Placement
+from .timing import KIND_INDEX, KINDS, UNSET, PassIds
+
+__all__ = ["MemoryLedger", "activation", "input_ready", "pass_deltas"]
+
+
+def activation(placement: Placement, stage: int, costs: Costs) -> float:
+    """One F's activation on ``stage``, in memory units (one microbatch over L/d layers)."""
+    return placement.layer_scale / 2.0 * costs.memory_of(stage)
+
+
+def pass_deltas(placement: Placement, costs: Costs, memory: MemoryModel = MemoryModel(),
+                unit: float = 1.0) -> tuple[float, ...]:
+    """Memory change of every (kind, stage), at index ``kind * num_stages + stage``.
+
+    ``unit``: memory units per counted unit (2.0 counts V chunk activations: one uniform V
+    F = 1; a power of two, so every count stays exactly the simulator's, scaled).
+    """
+    stages = range(placement.num_stages)
+    costs.check_stages(placement.num_stages)
+    return tuple(memory.delta(kind, activation(placement, stage, costs) * unit) for kind in KINDS for stage in stages)
+
+
+class MemoryLedger:
+    """Activation level and peak of every device as passes are placed in program order."""
+
+    def __init__(self, placement: Placement, costs: Costs, memory: MemoryModel = MemoryModel(),
+                 unit: float = 1.0):
+        self.num_stages = placement.num_stages
+        self.deltas = pass_deltas(placement, costs, memory, unit)
+        self.level = [0.0] * placement.num_devices
+        self.peak = [0.0] * placement.num_devices
+
+    def delta(self, kind: Kind, stage: int) -> float:
+        return self.deltas[KIND_INDEX[kind] * self.num_stages + stage]
+
+    def stage_deltas(self, stage: int) -> tuple[float, float, float]:
+        """(F, B, W) change of ``stage``."""
+        s = self.num_stages
+        return self.deltas[stage], self.deltas[s + stage], self.deltas[2 * s + stage]
+
+    def fits(self, device: int, amount: float, cap: float) -> bool:
+        """Whether ``amount`` more on ``device`` stays within ``cap`` (to the shared tolerance)."""
+        return self.level[device] + amount <= cap + EPS
+
+    def apply(self, device: int, kind: Kind, stage: int) -> float:
+        """Place one pass on ``device``; returns the new level."""
+        level = self.level[device] + self.deltas[KIND_INDEX[kind] * self.num_stages + stage]
+        self.level[device] = level
+        if level > self.peak[device]:
+            self.peak[device] = level
+        return level
+
+    def replay(self, programs: Iterable[Sequence]) -> tuple[float, ...]:
+        """Peak of every device over its program (fresh levels), rounded as the simulator reports."""
+        out = []
+        for device, program in enumerate(programs):
+            self.level[device] = self.peak[device] = 0.0
+            for action in program:
+                self.apply(device, action[0], action[1])
+            out.append(round(self.peak[device], 9))
+        return tuple(out)
+
+
+def input_ready(pass_id: int, end: Sequence[float], ids: PassIds, device_of: Sequence[int],
+                comm: float) -> float | None:
+    """When the inputs of pass ``pass_id`` are all on its device, or None while one is missing.
+
+    F(s) needs F(s-1); B(s) its own F(s) and the gradient of B(s+1); W(s) its own B(s) (the
+    rule of ``dependencies``). An input from another device arrives ``comm`` after it ends.
+    ``end``: end time per pass id, ``UNSET`` where not yet placed.
+    """
+    m, per_kind, last = ids.num_microbatches, ids.per_kind, ids.num_stages - 1
+    kind, rest = divmod(pass_id, per_kind)
+    stage = rest // m
+    device = device_of[stage]
+    if kind == 0:
+        if not stage:
+            return 0.0
+        e = end[pass_id - m]
+        if e == UNSET:
+            return None
+        return e + comm if device_of[stage - 1] != device else e
+    ready = end[pass_id - per_kind]  # B needs its own F; W its own B (same device)
+    if ready == UNSET:
+        return None
+    if kind == 1 and stage < last:
+        e = end[pass_id + m]
+        if e == UNSET:
+            return None
+        if device_of[stage + 1] != device:
+            e += comm
+        if e > ready:
+            ready = e
+    return ready
