@@ -31,12 +31,14 @@ keeps its name, lists them all and exits with an error.
 The embedding and the loss each count as one layer in the pipeline split
 (``--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split``): that is how the
 paper's layer counts (30, 46, 62, 78) fill 2 x #GPUs V stages evenly.
+
+This file holds the run grid, the flags of each run and the command; the memory verdicts are in
+``slurm_memory.py``, the sbatch text in ``sbatch_template.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from dataclasses import dataclass
@@ -44,23 +46,16 @@ from functools import cached_property
 from pathlib import Path
 
 from megatron_vshape.megatron import checks
-from megatron_vshape.planner import CostModel, GPTModel, Layout, get_gpu, predict
-from megatron_vshape.planner.memory import (
-    RESERVED_BYTES,
-    MemoryEstimate,
-    activation_model,
-    activation_peaks,
-    static_bytes,
-)
-from megatron_vshape.planner.predict import chunk_costs, num_stages, split_name
-from megatron_vshape.schedules import ScheduleError, get_schedule, simulate
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # sibling modules: slurm_memory, sbatch_template
+from sbatch_template import EMPTY, TEMPLATE  # noqa: E402
+from slurm_memory import GPU, MemoryCache, MemoryFit  # noqa: E402
+from slurm_memory import RESERVED_BYTES as RESERVED_BYTES  # noqa: E402 (re-exported: the tests use it)
+from slurm_memory import memory_fit as memory_fit  # noqa: E402 (re-exported: the tests use it)
+
 GPUS_PER_NODE = 8
 CPUS_PER_GPU = 8  # dataloader workers + the rank's own threads; DGX A100 nodes have 128 cores
-GPU = get_gpu("a100")  # the paper's cluster: A100 SXM 80 GB
-GIB = 1024**3
-VOCAB = 50257  # GPT-2's, as the NullTokenizer mock data and the GPT2BPETokenizer data both use
 # Megatron's GPU layer spec: TE layers with TE's fused (cuDNN) attention, which stores no s x s scores.
 ATTENTION_BACKEND = "fused"
 GPU_SPEC = ("--transformer-impl", "transformer_engine", "--attention-backend", ATTENTION_BACKEND)
@@ -177,93 +172,7 @@ class Run:
         return checks.problems(args, LAYOUT_CHECKS)
 
 
-@dataclass(frozen=True)
-class MemoryFit:
-    """The planner's per-GPU memory prediction for one run (worst GPU)."""
-
-    peak: float  # bytes: static + activations on the worst GPU
-    static: float  # weights, gradients, optimizer state on that GPU
-    activation: float
-    capacity: float  # usable bytes (HBM minus the planner's reserve)
-
-    @property
-    def fits(self) -> bool:
-        return self.peak <= self.capacity
-
-    def describe(self) -> str:
-        return (f"predicted peak {self.peak / GIB:.1f} GiB (static {self.static / GIB:.1f} + activations "
-                f"{self.activation / GIB:.1f}) of {self.capacity / GIB:.0f} GiB usable")
-
-
-class MemoryCache:
-    """Planner verdicts by run, kept in ``memory_fit.json`` next to the scripts.
-
-    The planner simulates every schedule at up to 40 devices and 640 microbatches: all grid points
-    take tens of minutes, so ``--check`` and the tests read the verdicts from this file, and the
-    tests recompute the points nearest the memory limit with the live planner (a planner change that
-    would flip a verdict fails them). Runs missing from the file are computed on the spot;
-    ``--refresh-memory`` recomputes all.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.entries: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
-        self.refresh = False
-        self.dirty = False
-
-    def get(self, run: Run) -> MemoryFit:
-        entry = None if self.refresh else self.entries.get(run.key)
-        if entry is None:
-            fit = memory_fit(run)
-            self.entries[run.key] = {"peak": fit.peak, "static": fit.static, "activation": fit.activation}
-            self.dirty = True
-            return fit
-        return MemoryFit(entry["peak"], entry["static"], entry["activation"], GPU.memory_bytes - RESERVED_BYTES)
-
-    def save(self, keys: set[str]) -> None:
-        """Write the entries of ``keys`` (runs that no longer exist are dropped from the file)."""
-        kept = {key: self.entries[key] for key in sorted(keys)}
-        self.path.write_text(json.dumps(kept, indent=1) + "\n")
-
-
 MEMORY_CACHE = MemoryCache(HERE / "memory_fit.json")
-
-
-def padded_vocab(tp: int) -> int:
-    """Megatron pads the vocabulary to a multiple of 128 x TP (--make-vocab-size-divisible-by 128)."""
-    multiple = 128 * tp
-    return -(-VOCAB // multiple) * multiple
-
-
-def planner_model(run: Run) -> GPTModel:
-    m = run.model
-    return GPTModel(m.name, m.layers, m.hidden, m.heads, run.seq, padded_vocab(run.tp))
-
-
-def memory_fit(run: Run) -> MemoryFit:
-    """Static + simulated activation peak of the worst GPU, from the planner (TE fused attention = flash sizes)."""
-    model, layout = planner_model(run), Layout(run.dp, run.tp, run.pp, run.micro_batch, run.global_batch)
-    cost_model = CostModel(GPU)  # distributed optimizer, as the scripts run
-    try:
-        estimate = predict(run.variant.name, layout, model, cost_model, flash_attention=True).memory
-    except ScheduleError:
-        # The planner extrapolates large microbatch counts from two smaller ones, which
-        # interleaved-1f1b refuses unless they are multiples of PP: simulate the real size instead.
-        estimate = _exact_memory(run.variant.name, layout, model, cost_model)
-    worst = max(range(len(estimate.per_device)), key=lambda i: estimate.per_device[i])
-    return MemoryFit(estimate.per_device[worst], estimate.static[worst], estimate.activation[worst],
-                     GPU.memory_bytes - RESERVED_BYTES)
-
-
-def _exact_memory(name: str, layout: Layout, model: GPTModel, cost_model: CostModel) -> MemoryEstimate:
-    base, recompute = split_name(name)
-    stages = num_stages(name, layout.pp)
-    costs = chunk_costs(cost_model.pass_times(model, layout), model, stages, recompute, layout.pp)
-    result = simulate(get_schedule(base, layout.pp, layout.num_microbatches, costs), costs)
-    static = static_bytes(model, layout, result.schedule.placement.stages_per_device, stages,
-                          cost_model.distributed_optimizer)
-    acts = activation_model(model, layout, stages, flash_attention=True, recompute=recompute)
-    return MemoryEstimate(static, activation_peaks(result, acts))
 
 
 def pure_pipeline_runs(model: Model, variant: Variant) -> list[Run]:
@@ -308,23 +217,23 @@ class Script:
 
 
 def all_scripts() -> list[Script]:
-    scripts = []
-    for model in MODELS:
-        for variant in VARIANTS:
-            runs = tuple(pure_pipeline_runs(model, variant))
-            scripts.append(Script(
-                f"pp_{model.name}", variant, f"vshape-{model.name}-{variant.name}",
-                f"{model.name} GPT, pure pipeline over {model.gpus} GPUs, {variant.name}, "
-                f"microbatch size {model.micro_batch}, {', '.join(str(r.global_batch // r.micro_batch) for r in runs)} "
-                "microbatches", model.gpus, runs))
-    for seq in HYBRID_BATCH:
-        for variant in VARIANTS:
-            runs = tuple(hybrid_runs(seq, variant))
-            scripts.append(Script(
-                f"hybrid_98.5b_seq{seq}", variant, f"vshape-hybrid-{seq}-{variant.name}",
-                f"98.5B GPT on 40 GPUs, DP x TP x PP grid search, sequence {seq}, global batch "
-                f"{HYBRID_BATCH[seq]}, {variant.name}", HYBRID_MODEL.gpus, runs))
-    return scripts
+    """Every family x variant: each model's pure pipeline, then the hybrid grid at each sequence length."""
+    return ([pure_pipeline_script(model, variant) for model in MODELS for variant in VARIANTS]
+            + [hybrid_script(seq, variant) for seq in HYBRID_BATCH for variant in VARIANTS])
+
+
+def pure_pipeline_script(model: Model, variant: Variant) -> Script:
+    runs = tuple(pure_pipeline_runs(model, variant))
+    counts = ", ".join(str(r.global_batch // r.micro_batch) for r in runs)
+    return Script(f"pp_{model.name}", variant, f"vshape-{model.name}-{variant.name}",
+                  f"{model.name} GPT, pure pipeline over {model.gpus} GPUs, {variant.name}, "
+                  f"microbatch size {model.micro_batch}, {counts} microbatches", model.gpus, runs)
+
+
+def hybrid_script(seq: int, variant: Variant) -> Script:
+    return Script(f"hybrid_98.5b_seq{seq}", variant, f"vshape-hybrid-{seq}-{variant.name}",
+                  f"98.5B GPT on 40 GPUs, DP x TP x PP grid search, sequence {seq}, global batch "
+                  f"{HYBRID_BATCH[seq]}, {variant.name}", HYBRID_MODEL.gpus, tuple(hybrid_runs(seq, variant)))
 
 
 FAMILIES = tuple(dict.fromkeys(script.family for script in all_scripts()))
@@ -342,92 +251,6 @@ def find_script(family: str, schedule: str) -> Script:
     return next(s for s in all_scripts() if (s.family, s.variant.name) == (family, schedule))
 
 
-TEMPLATE = """#!/bin/bash
-# {description}.
-# Generated by `python scripts/slurm/generate.py {family} {schedule}`: edit the generator, not this file.
-#
-# Usage (from the repository root, or set VSHAPE_ROOT):
-#   sbatch -p PARTITION {path}            # NODES defaults to {nodes} nodes x 8 GPUs
-#   bash {path} --dry-run                 # print the torchrun command lines, run nothing
-# Environment: NODES, GPUS_PER_NODE (NODES x GPUS_PER_NODE must be {gpus}), MASTER_PORT, TRAIN_ITERS,
-#   DATA_PATH (+ VOCAB_FILE, MERGE_FILE; default: --mock-data), PRETRAIN (entry script; default
-#   scripts/pretrain_gpt.py), SRUN_ARGS (e.g. pyxis --container-image=...), EXTRA_ARGS, RUN_INDEX,
-#   CPUS_PER_TASK (CPU cores for each node's torchrun and its 8 ranks; default {cpus}, as requested below).
-# Layer spec: --transformer-impl transformer_engine --attention-backend {attention} (TE's fused attention;
-#   the local spec's unfused attention stores s x s scores per layer and does not fit at long sequences).
-#
-# Memory ({gpu}, the planner's model in megatron_vshape/planner: weights, gradients and sharded optimizer
-# state plus the schedule's simulated activation peak): {kept} of {total} grid points fit and are below.
-{dropped}#SBATCH --job-name={job_name}
-#SBATCH --nodes={nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task={cpus}
-#SBATCH --exclusive
-#SBATCH --time=04:00:00
-#SBATCH --output=%x-%j.out
-set -euo pipefail
-
-DRY_RUN=0
-if [[ "${{1:-}}" == "--dry-run" ]]; then DRY_RUN=1; fi
-NODES=${{NODES:-${{SLURM_JOB_NUM_NODES:-{nodes}}}}}
-GPUS_PER_NODE=${{GPUS_PER_NODE:-8}}
-# srun does not inherit sbatch's --cpus-per-task on every Slurm version: pass it to the step explicitly,
-# or each node's 8 ranks would share one core.
-CPUS_PER_TASK=${{CPUS_PER_TASK:-${{SLURM_CPUS_PER_TASK:-{cpus}}}}}
-if (( NODES * GPUS_PER_NODE != {gpus} )); then
-  echo "error: NODES x GPUS_PER_NODE = $((NODES * GPUS_PER_NODE)), this run needs {gpus} GPUs; set NODES/GPUS_PER_NODE" >&2
-  exit 2
-fi
-VSHAPE_ROOT=${{VSHAPE_ROOT:-${{SLURM_SUBMIT_DIR:-$(pwd)}}}}
-PRETRAIN=${{PRETRAIN:-$VSHAPE_ROOT/scripts/pretrain_gpt.py}}
-MASTER_PORT=${{MASTER_PORT:-29500}}
-if [[ -n "${{SLURM_JOB_NODELIST:-}}" ]]; then
-  MASTER_ADDR=${{MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
-else
-  MASTER_ADDR=${{MASTER_ADDR:-localhost}}
-fi
-TRAIN_ITERS=${{TRAIN_ITERS:-20}}
-if [[ -n "${{DATA_PATH:-}}" ]]; then
-  DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
-else
-  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
-fi
-read -r -a EXTRA <<< "${{EXTRA_ARGS:-}}"
-read -r -a SRUN_EXTRA <<< "${{SRUN_ARGS:-}}"
-
-RUNS=(
-{runs}
-)
-{empty}
-launch() {{
-  local index=$1; shift
-  # One identical command per node; torchrun's c10d rendezvous assigns the node ranks.
-  # CUDA_DEVICE_MAX_CONNECTIONS=1 keeps TP/SP communication ordered before compute (Megatron requires it).
-  local cmd=(env CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nnodes "$NODES" --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d
-             --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "{job_name}-$index"
-             "$PRETRAIN" "$@" --train-iters "$TRAIN_ITERS" "${{DATA_ARGS[@]}}" ${{EXTRA[@]+"${{EXTRA[@]}}"}})
-  if (( DRY_RUN )); then
-    printf '%q ' "${{cmd[@]}}"; printf '\\n'
-  else
-    echo "=== run $index: ${{cmd[*]}}"
-    srun --nodes "$NODES" --ntasks-per-node 1 --cpus-per-task "$CPUS_PER_TASK" ${{SRUN_EXTRA[@]+"${{SRUN_EXTRA[@]}}"}} "${{cmd[@]}}" || echo "=== run $index failed"
-  fi
-}}
-
-for index in "${{!RUNS[@]}}"; do
-  if [[ -n "${{RUN_INDEX:-}}" && "$RUN_INDEX" != "$index" ]]; then continue; fi
-  read -r -a RUN_ARGS <<< "${{RUNS[$index]}}"
-  launch "$index" "${{RUN_ARGS[@]}}"
-done
-"""
-
-
-EMPTY = """if (( ${{#RUNS[@]}} == 0 )); then
-  echo "error: no grid point of this script fits in {gpu} memory (planner's model; see the header)" >&2
-  exit 3
-fi
-"""
 
 
 def render(script: Script, path: str | None = None) -> str:
