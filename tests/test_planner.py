@@ -162,8 +162,17 @@ def _load_reproduce():
     spec = importlib.util.spec_from_file_location("reproduce_paper", ROOT / "scripts" / "reproduce_paper.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["reproduce_paper"] = module
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)  # puts scripts/ on sys.path: its sibling modules import
     return module
+
+
+def _paper_modules():
+    """reproduce_paper's row definitions (paper_rows) and RESULTS.md writer (paper_report)."""
+    _load_reproduce()
+    import paper_report
+    import paper_rows
+
+    return paper_rows, paper_report
 
 
 @pytest.mark.slow
@@ -175,8 +184,9 @@ def test_reproduce_paper_writes_a_record_per_seed_row(tmp_path, capsys):
     records = json.loads(out.read_text())
     keys = {"setting", "metric", "schedule_before", "schedule_after", "paper_before", "paper_after",
             "predicted_before", "predicted_after"}
-    assert len(records) == len(reproduce.ROWS)
-    for record, row in zip(records, reproduce.ROWS):
+    rows, _ = _paper_modules()
+    assert len(records) == len(rows.ROWS)
+    for record, row in zip(records, rows.ROWS):
         assert keys <= set(record)
         assert (record["setting"], record["schedule_before"], record["schedule_after"]) == (
             row.setting, row.schedule_before, row.schedule_after)
@@ -200,16 +210,16 @@ def test_gpipe_memory_grows_with_the_microbatch_count_even_when_extrapolated(cal
 
 
 def test_results_md_keeps_the_benchmark_section_and_orderings_are_pairwise(tmp_path):
-    reproduce = _load_reproduce()
+    rows, report = _paper_modules()
     page = tmp_path / "RESULTS.md"
-    page.write_text(f"old\n{reproduce.PART3_BEGIN}\nmeasured: 1.23 s\n{reproduce.PART3_END}\nold tail\n")
-    assert "measured: 1.23 s" in reproduce._part3(page)
-    assert reproduce.PART3_BEGIN in reproduce._part3(tmp_path / "missing.md")
+    page.write_text(f"old\n{report.PART3_BEGIN}\nmeasured: 1.23 s\n{report.PART3_END}\nold tail\n")
+    assert "measured: 1.23 s" in report._part3(page)
+    assert report.PART3_BEGIN in report._part3(tmp_path / "missing.md")
     recs = [{"setting": "S", "metric": "MFU %", "schedule_before": "a", "schedule_after": "b",
              "paper_before": 50, "paper_after": 60, "predicted_before": 55, "predicted_after": 54},
             {"setting": "S", "metric": "MFU %", "schedule_before": "c", "schedule_after": "b",
              "paper_before": 58, "paper_after": 60, "predicted_before": 50, "predicted_after": 54}]
-    pairs = {o["pair"]: o for o in reproduce.setting_orderings(recs)}
+    pairs = {o["pair"]: o for o in rows.setting_orderings(recs)}
     assert set(pairs) == {"a vs b", "a vs c", "b vs c"}  # the implied pair a vs c too
     assert not pairs["a vs b"]["matches"] and pairs["b vs c"]["matches"]
     assert pairs["a vs c"]["paper_higher"] == "c" and pairs["a vs c"]["predicted_higher"] == "a"

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     model, cost_model = model_from_args(args), cost_model_from_args(args)
     print(f"{model.name} ({model.total_params / 1e9:.1f}B parameters, seq {model.seq_length}) on "
           f"{args.gpus} x {cost_model.gpu.name}, global batch {args.global_batch}, "
-          f"{cost_model.efficiency:.1%} of peak per pass")
+          f"{cost_model.efficiency:.1%} of peak for the GEMMs")
     reasons = {r.schedule: why_nothing(r, model, cost_model, args.gpus, args.global_batch, _grid(args))
                for r in results if r.best is None}
     print(report(results, args.all, reasons))

@@ -53,11 +53,11 @@ class LayoutComparison:
         }
 
 
-def chunk_costs(model: GPTModel, cost_model: CostModel, layout: Layout) -> Costs:
+def chunk_costs(model: GPTModel, cost_model: CostModel, layout: Layout, flash_attention: bool = False) -> Costs:
     """Seconds of one pass over one V chunk's ``L / (2 pp)`` layers (the schedule core's unit; a
     looped stage is two of them), and of one p2p message. The embedding and the head are added per
     stage by :func:`.balance.stage_work`, not spread over layer slots as :func:`.predict.chunk_costs` does."""
-    times = cost_model.pass_times(model, layout)
+    times = cost_model.pass_times(model, layout, flash_attention)
     unit = model.layers / (2 * layout.pp)
     return Costs(unit * times.f, unit * times.b, unit * times.w, times.p2p)
 
@@ -68,8 +68,8 @@ def compare_layouts(name: str, model: GPTModel, cost_model: CostModel, layout: L
     base, recompute = split_name(name)
     if recompute:
         raise ValueError(f"{name}: layer balancing does not model recomputation; compare {base} instead")
-    costs = chunk_costs(model, cost_model, layout)
+    costs = chunk_costs(model, cost_model, layout, flash_attention)
     choice = choose_layout(model, base, layout.pp, layout.num_microbatches, costs, flash_attention=flash_attention)
-    times = cost_model.pass_times(model, layout)
+    times = cost_model.pass_times(model, layout, flash_attention)
     per_second = model.model_flops(layout.global_batch) / (layout.gpus * cost_model.gpu.peak_flops)
     return LayoutComparison(name, layout, choice, times.dp_sync + times.optimizer, per_second)

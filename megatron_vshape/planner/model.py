@@ -64,6 +64,32 @@ class GPTModel:
         gemm, attention = self._gemm_flops(micro_batch), self._attention_flops(micro_batch)
         return gemm + attention, gemm + 2 * attention, gemm
 
+    def elementwise_bytes(self, micro_batch: int, flash_attention: bool) -> tuple[float, float]:
+        """HBM bytes moved by one layer's memory-bound kernels in F and in B, one microbatch (TP 1).
+
+        Counted per token from Megatron's GPT layer (bf16 = 2 bytes, masks 1 byte), reads plus writes:
+
+        * F, 38h: two layer norms (read h, write h: 8h), two fused bias-dropout-adds (read the
+          branch and the residual, write the sum and the mask: 14h), the fused bias-GeLU on the 4h
+          FFN activation (read, write: 16h).
+        * B, 58h: two layer-norm backwards (read dy and x, write dx: 12h), two dropout backwards
+          (read dy and the mask, write dx: 10h), the two residual-gradient sums (read two, write
+          one: 12h), the GeLU backward (read dy and x, write dx, on 4h: 24h).
+        * Attention without flash attention materialises the a x s scores per token: F writes S
+          (2as), the fused softmax reads S and writes P (4as), dropout reads P and writes P' and
+          its mask (5as), the AV product reads P' (2as): 13as. B: writes dP' and reads P' for dV
+          (4as), the dropout backward (5as), the softmax backward reads P and dP and writes dS
+          (6as), the QK^T backward reads dS twice (4as): 19as.
+        * Flash attention keeps the scores on chip: it reads Q, K, V and writes O (8h) in F, and
+          reads Q, K, V, O, dO and writes dQ, dK, dV (16h) in B.
+
+        W runs only the weight-gradient GEMMs, which are compute-bound, so it has no such term.
+        """
+        h, a, s = self.hidden, self.heads, self.seq_length
+        attention_f, attention_b = (8 * h, 16 * h) if flash_attention else (13 * a * s, 19 * a * s)
+        tokens = micro_batch * s
+        return (38 * h + attention_f) * tokens, (58 * h + attention_b) * tokens
+
     def head_flops(self, micro_batch: int) -> float:
         """Forward FLOPs of the output projection (logits)."""
         return 2.0 * micro_batch * self.seq_length * self.hidden * self.vocab

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..schedules import SCHEDULES, Costs, ScheduleError
 from .costs import CostModel, PassTimes
+from .exposed_p2p import blocking_costs, blocks_on_p2p
 from .layout import Layout
 from .memory import RESERVED_BYTES, MemoryEstimate, activation_model, activation_peaks, static_bytes
 from .model import GPTModel
@@ -80,10 +81,18 @@ def predict(name: str, layout: Layout, model: GPTModel, cost_model: CostModel,
     problem = layout.problem(model, stages)
     if problem:
         raise ValueError(problem)
-    times = cost_model.pass_times(model, layout)
+    times = cost_model.pass_times(model, layout, flash_attention)
     costs = chunk_costs(times, model, stages, recompute, layout.pp)
-    run = run_pipeline(base, layout.pp, layout.num_microbatches, costs)
+    timed = costs
+    if cost_model.blocking_p2p and blocks_on_p2p(base) and layout.pp > 1:
+        timed = blocking_costs(base, costs, layout.pp,
+                               lambda a, b: cost_model.p2p_between(model, layout, a, b))
+    run = run_pipeline(base, layout.pp, layout.num_microbatches, timed)
     iteration = run.makespan + times.dp_sync + times.optimizer
+    # The paper's bubble: 1 - compute / time, compute = m x (F + B + W) of one device (two V
+    # chunks' worth of layer slots); waits for messages, exposed or not, count as bubble.
+    compute = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches
+    bubble = max(0.0, 1.0 - compute / run.span) if run.span > 0 else 0.0
     mfu = model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.gpu.peak_flops)
     placement = run.sample.schedule.placement
     static = static_bytes(model, layout, placement.stages_per_device, stages, cost_model.distributed_optimizer)
@@ -94,7 +103,7 @@ def predict(name: str, layout: Layout, model: GPTModel, cost_model: CostModel,
         peaks = tuple(run.extend(late, early) for late, early in zip(peaks, earlier))
     memory = MemoryEstimate(static, peaks)
     capacity = cost_model.gpu.memory_bytes - RESERVED_BYTES
-    return Prediction(name, layout, iteration, mfu, run.bubble_rate, memory, capacity, times, run.extrapolated)
+    return Prediction(name, layout, iteration, mfu, bubble, memory, capacity, times, run.extrapolated)
 
 
 __all__ = ["Prediction", "ScheduleError", "chunk_costs", "num_stages", "planner_schedule_names", "predict",

@@ -57,7 +57,8 @@ def layouts(model: GPTModel, gpus: int, global_batch: int, grid: Grid, gpus_per_
                     yield Layout(dp, tp, pp, mb, global_batch)
 
 
-def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostModel) -> float:
+def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostModel,
+                 flash_attention: bool = False) -> float:
     """MFU if the pipeline had no bubble except its fill.
 
     Iteration >= (time before the last device can start) + work per device + DP sync + step:
@@ -66,7 +67,7 @@ def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostMod
     """
     _, recompute = split_name(name)
     stages = num_stages(name, layout.pp)
-    times = cost_model.pass_times(model, layout)
+    times = cost_model.pass_times(model, layout, flash_attention)
     costs = chunk_costs(times, model, stages, recompute, layout.pp)
     work = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches  # two V chunks' worth per device
     forward_per_device = costs.f * 2 * layout.pp / stages  # one F over the device's first stage
@@ -101,10 +102,10 @@ def _search_one(name, candidates, model, cost_model, flash_attention) -> Schedul
     viable = [c for c in candidates if _runnable(name, c, model)]
     fitting = [c for c in viable if _static_fits(c, model, cost_model)]
     found.skipped = len(viable) - len(fitting)
-    ranked = sorted(fitting, key=lambda c: -_upper_bound(name, c, model, cost_model))
+    ranked = sorted(fitting, key=lambda c: -_upper_bound(name, c, model, cost_model, flash_attention))
     out_of_memory: list[Layout] = []
     for index, layout in enumerate(ranked):
-        if found.best is not None and _upper_bound(name, layout, model, cost_model) <= found.best.mfu:
+        if found.best is not None and _upper_bound(name, layout, model, cost_model, flash_attention) <= found.best.mfu:
             found.skipped += len(ranked) - index
             break
         if any(_dominated(layout, smaller) for smaller in out_of_memory):

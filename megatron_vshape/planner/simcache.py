@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..schedules import Costs, Schedule, SimulationResult, get_schedule, simulate
+from ..schedules import Costs, Schedule, SimulationResult, StageWork, get_schedule, simulate
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class PipelineRun:
     extrapolated: bool
     earlier: SimulationResult | None = None  # the smaller extrapolation point (None if exact)
     num_microbatches: int = 0  # the size asked for (sample and earlier may be smaller)
+    span: float = 0.0  # seconds, first to last pass of the device with the longest span
 
     def extend(self, at_sample: float, at_earlier: float) -> float:
         """Extrapolate a quantity measured on both points linearly to ``num_microbatches`` (never down).
@@ -78,13 +79,15 @@ def _build(name: str, num_devices: int, num_microbatches: int, b: float, w: floa
 
 @lru_cache(maxsize=4096)
 def _simulate_normalised(name: str, num_devices: int, num_microbatches: int, b: float, w: float,
-                         comm: float) -> SimulationResult:
+                         comm: float, stages: tuple[StageWork, ...] = ()) -> SimulationResult:
     if name in REGULAR:  # their order hardly depends on costs: share generation widely
         schedule = _build(name, num_devices, num_microbatches, round(b, 1), round(w, 1), round(comm / 2, 2) * 2)
     else:  # greedy decisions react to small cost changes (comm especially)
         schedule = _build(name, num_devices, num_microbatches, round(b / 2, 2) * 2, round(w / 2, 2) * 2,
                           round(comm, 3))
-    return simulate(schedule, Costs(1.0, b, w, comm))  # timed with the real ratios
+    # timed with the real ratios (and per-stage work, which only timing uses: the generators that
+    # see per-stage costs are not run with them here)
+    return simulate(schedule, Costs(1.0, b, w, comm, stages))
 
 
 def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Costs) -> PipelineRun:
@@ -93,13 +96,13 @@ def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Cost
 
     def sim(m: int) -> SimulationResult:
         return _simulate_normalised(name, num_devices, m, round(costs.b / unit, 6), round(costs.w / unit, 6),
-                                    round(costs.comm / unit, 6))
+                                    round(costs.comm / unit, 6), costs.stages)
 
     limit = exact_limit(name, num_devices)
     if num_microbatches <= limit:
         result = sim(num_microbatches)
         return PipelineRun(result.makespan_total * unit, result.bubble_rate, result, unit, False,
-                           None, num_microbatches)
+                           None, num_microbatches, result.makespan * unit)
     m1, m2 = extrapolation_sizes(name, num_devices)
     first, second = sim(m1), sim(m2)
 
@@ -113,4 +116,5 @@ def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Cost
     total = extend(first.makespan_total, second.makespan_total)
     worst_span = extend(first.makespan, second.makespan)  # the simulator's per-device span
     work = second.work_per_device / m2 * num_microbatches
-    return PipelineRun(total * unit, 1.0 - work / worst_span, second, unit, True, first, num_microbatches)
+    return PipelineRun(total * unit, 1.0 - work / worst_span, second, unit, True, first, num_microbatches,
+                       worst_span * unit)
