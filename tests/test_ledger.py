@@ -10,11 +10,23 @@ ignored the model (reorder, greedy) or could not be asked for it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from megatron_vshape.schedules import Costs, MemoryModel, Placement, get_schedule, schedule_names, simulate, validate
+from megatron_vshape.schedules import (
+    Costs,
+    MemoryModel,
+    Placement,
+    get_schedule,
+    schedule_names,
+    simulate,
+    v_zb_builder,
+    validate,
+    zb_builder,
+)
 from megatron_vshape.schedules.actions import Kind
-from megatron_vshape.schedules.greedy import GreedyConfig, greedy_schedule
+from megatron_vshape.schedules.greedy import Admission, GreedyConfig, greedy_schedule
 from megatron_vshape.schedules.ledger import MemoryLedger, input_ready
 from megatron_vshape.schedules.registry import get_spec
 from megatron_vshape.schedules.reorder import fill_idle
@@ -93,6 +105,34 @@ def test_greedy_caps_under_the_given_model_and_uses_what_b_frees(d, m):
     assert bubble[GPT] < bubble[MemoryModel()] - 0.01  # measured 0.13-0.16 vs 0.16-0.20
 
 
+@pytest.mark.parametrize("memory", MODELS, ids=("simple", "gpt"))
+def test_a_cap_equal_to_the_simulated_peak_is_feasible(memory):
+    """The builders check their caps with the count the simulator reports: rebuilt with each
+    device capped at the peak the simulator reported for it, every generator still succeeds
+    (an over-counting builder would fail; an under-counting one would have exceeded its cap)."""
+    for costs in (Costs(), UNEQUAL):
+        for d, m in ((3, 6), (4, 16)):
+            cap = one_f_one_b_peak(d, costs)
+            zb = zb_builder.build_zb(d, m, costs, cap, zb_builder.VARIANTS[0], "zb", memory)
+            assert zb_builder.build_zb(d, m, costs, _peak(zb, costs, memory), zb_builder.VARIANTS[0], "zb",
+                                       memory) is not None
+            vzb = v_zb_builder.build_v_zb(d, m, costs, v_zb_builder.VARIANTS[0], memory=memory)
+            assert v_zb_builder.build_v_zb(d, m, costs, v_zb_builder.VARIANTS[0], _peak(vzb, costs, memory),
+                                           memory) is not None
+            for placement, admission in ((Placement.looped(d), Admission.RESERVE_ALL),
+                                         (Placement.v_shape(d), Admission.HEADROOM)):
+                config = GreedyConfig([cap] * d, _f_first_deep, admission=admission, memory=memory)
+                greedy = greedy_schedule("greedy", placement, m, costs, config)
+                peaks = simulate(greedy, costs, memory).peak_memory
+                assert max(peaks) <= cap + 1e-9
+                again = greedy_schedule("greedy", placement, m, costs, replace(config, memory_caps=list(peaks)))
+                assert again.programs == greedy.programs
+
+
+def _peak(schedule, costs, memory) -> float:
+    return simulate(schedule, costs, memory).peak_memory_max
+
+
 def test_input_ready_follows_the_dependency_rule():
     ids = PassIds(num_stages=4, num_microbatches=2)
     device_of = [0, 1, 1, 0]  # a V on 2 devices
@@ -111,3 +151,24 @@ def test_input_ready_follows_the_dependency_rule():
     end[b[3]] = 6.0
     assert input_ready(b[2], end, ids, device_of, 0.5) == 6.5
     assert input_ready(ids.of((Kind.W, 3, 0)), end, ids, device_of, 0.5) == 6.0
+
+
+@pytest.mark.parametrize("name", [n for n in schedule_names() if n not in ("v-auto", "gpipe", "1f1b", "interleaved-1f1b")])
+def test_the_simulator_starts_every_pass_at_the_shared_ready_time(name):
+    """The timing core inlines ``input_ready`` in its hot loop: each pass starts when its device is
+    free and ``input_ready`` says its inputs are there (split-backward schedules; a fused B also
+    waits for the next stage's W)."""
+    d, m = 4, 8
+    schedule = get_schedule(name, d, m, UNEQUAL)
+    result = simulate(schedule, UNEQUAL)
+    ids = PassIds(schedule.num_stages, m)
+    device_of = [schedule.placement.device_of(s) for s in range(schedule.num_stages)]
+    end = [UNSET] * (3 * ids.per_kind)
+    for action, interval in result.timeline.items():
+        end[ids.of(action)] = interval.end
+    for program in schedule.programs:
+        free = 0.0
+        for action in program:
+            interval = result.timeline[action]
+            assert interval.start == max(free, input_ready(ids.of(action), end, ids, device_of, UNEQUAL.comm))
+            free = interval.end

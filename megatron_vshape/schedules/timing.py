@@ -7,6 +7,9 @@ hundreds of thousands of Action tuples was most of the simulator's time at d=64,
 
 Event driven like :func:`drive.drive`: a device that waits for an input registers on it and is
 woken when it is produced, so the cost is linear in the number of passes.
+
+The ready-time rule is :func:`ledger.input_ready`'s (the generators call it); the loop below
+inlines it, being the simulator's hot spot (tests/test_ledger.py checks they agree).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .actions import Action, Kind
+from .inputs import EPS
 from .ledger import MemoryLedger
 from .schedule import Costs, MemoryModel, Placement, Schedule
 
@@ -52,7 +53,7 @@ class _Builder:
         self.cost = [tuple(2.0 * costs.of(kind, stage) for kind in _KIND) for stage in range(d)]
         self.ledger = MemoryLedger(Placement.looped(d), costs, memory)
         self.delta = [self.ledger.stage_deltas(stage) for stage in range(d)]
-        self.cap = cap_units + 1e-9
+        self.cap = cap_units + EPS
         self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(3)]
         self.count = [[0, 0, 0] for _ in range(d)]
         self.now = [0.0] * d
