@@ -11,15 +11,13 @@ from hypothesis import strategies as st
 
 from megatron_vshape.schedules import BuildingBlock, Costs, Kind, Placement, ScheduleError, simulate, validate
 from megatron_vshape.schedules.adaptive import (
-    GapPattern,
-    _collision_free_joins,
-    _leg_patterns,
     candidate_blocks,
     evaluate_candidates,
     greedy_caps,
     lowest_reachable_limit,
     v_auto,
 )
+from megatron_vshape.schedules.adaptive_blocks import GapPattern, _collision_free_joins, _leg_patterns
 from megatron_vshape.schedules.v_schedules import v_block, v_half_block, v_min_block
 from megatron_vshape.schedules.zero_bubble import v_zb
 

@@ -39,15 +39,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .actions import Kind
-from .adaptive_blocks import (  # noqa: F401  (GapPattern, _leg_patterns, _collision_free_joins: imported from here)
-    NAME,
-    BlockCandidate,
-    GapPattern,
-    _collision_free_joins,
-    _leg_patterns,
-    _named_blocks,
-    candidate_blocks,
-)
+from .adaptive_blocks import NAME, BlockCandidate, GapPattern, _named_blocks, candidate_blocks
+
+__all__ = ["DEFAULT_LIMIT", "NAME", "BlockCandidate", "Evaluated", "GapPattern", "GreedyCandidate", "candidate_blocks",
+           "choose", "evaluate_candidates", "greedy_caps", "lowest_reachable_limit", "v_auto"]
 from .inputs import EPS as _EPS
 from .schedule import Costs, Placement, Schedule, ScheduleError, one_f_one_b_peak
 from .simulator import simulate
