@@ -32,6 +32,7 @@ from paper_rows import (  # noqa: E402
     JSON_KEYS,
     PURE,
     QUICK_GRID,
+    ROWS,
     TOLERANCE,
     _fmt,
     records,
@@ -64,6 +65,25 @@ def run_hybrid(key: str, grid: Grid = HYBRID_GRID) -> tuple[str, dict]:
     schedules = [s for s in HYBRID_SCHEDULES if grid is not QUICK_GRID or s != "v-min"]
     results = search(schedules, model, cost_model(), 40, batch, grid, flash_attention=True)
     return key, {r.schedule: (_summary(r.best) if r.best else {"oom": True, "reason": r.reason}) for r in results}
+
+
+def add_same_layout_ratios(recs: list[dict], predictions: dict) -> None:
+    """For each hybrid MFU row whose two schedules picked different layouts: the before-schedule run on
+    the after-schedule's layout, so a miss can be split into schedule and layout effects."""
+    for record in recs:
+        source = next(r.source for r in ROWS if r.setting == record["setting"] and r.metric == record["metric"])
+        if source not in HYBRID or record["metric"] != "MFU %":
+            continue
+        before, after = (predictions[source][record[k]] for k in ("schedule_before", "schedule_after"))
+        if "mfu" not in before or "mfu" not in after or before["layout"] == after["layout"]:
+            continue
+        seq, _ = HYBRID[source]
+        layout = Layout(after["dp"], after["tp"], after["pp"], after["micro_batch"],
+                        after["dp"] * after["micro_batch"] * after["num_microbatches"])
+        moved = predict(record["schedule_before"], layout, get_model("98.5b").with_seq(seq), cost_model(),
+                        flash_attention=True)
+        record["same_layout"] = {"layout": str(layout), "mfu": 100 * moved.mfu, "oom": moved.oom,
+                                 "ratio": after["mfu"] / moved.mfu}
 
 
 def draw_pictures(out: Path) -> tuple[str, dict]:
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     predictions = predict_all(args.workers, args.quick, None if args.no_pictures else args.docs)
     recs = records(predictions)
+    add_same_layout_ratios(recs, predictions)
     orderings = setting_orderings(recs)
     print_table(recs)
     print_search(predictions)

@@ -84,3 +84,18 @@ def test_bubble_is_the_idle_share_of_the_pipeline_time(calibrated):
     # without exposed messages it is the simulator's bubble rate
     assert prediction.bubble_rate == pytest.approx(run.bubble_rate, rel=1e-5)  # ratios rounded to 6 digits
     assert prediction.bubble_rate == pytest.approx(1 - 16 * 2 * (costs.f + costs.b + costs.w) / run.span, rel=1e-9)
+
+
+def test_search_bound_holds_with_flash_attention(calibrated):
+    """The pruning bound must use the same (flash) pass times as the prediction it bounds."""
+    from megatron_vshape.planner.search import _upper_bound
+
+    model = get_model("98.5b").with_seq(3072)
+    for name in ("1f1b", "v-half"):
+        for tp, pp in ((4, 10), (8, 5)):
+            layout = Layout(40 // (tp * pp), tp, pp, 1, 640)
+            prediction = predict(name, layout, model, calibrated, flash_attention=True)
+            assert _upper_bound(name, layout, model, calibrated, flash_attention=True) >= prediction.mfu - 1e-9
+            # without flash attention the passes are slower: that bound would prune wrongly
+            assert _upper_bound(name, layout, model, calibrated) < _upper_bound(name, layout, model, calibrated,
+                                                                              flash_attention=True)
