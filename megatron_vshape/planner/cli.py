@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
     c = p.add_argument_group("cost model")
     c.add_argument("--efficiency", type=float,
-                   help=f"achievable fraction of peak FLOP/s (default: calibrated from the paper's {PAPER_F_MS} ms)")
+                   help="achievable fraction of peak FLOP/s for the GEMMs; memory-bound kernels are timed from HBM "
+                   f"bandwidth (default: calibrated from the paper's {PAPER_F_MS} ms)")
     c.add_argument("--calibrate-f-ms", type=float, help="measured F time of --calibrate-layers layers, in ms")
     c.add_argument("--calibrate-model", default="9.6b", help="preset the measurement is for (default 9.6b)")
     c.add_argument("--calibrate-micro-batch", type=int, default=4)
