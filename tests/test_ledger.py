@@ -172,3 +172,39 @@ def test_the_simulator_starts_every_pass_at_the_shared_ready_time(name):
             interval = result.timeline[action]
             assert interval.start == max(free, input_ready(ids.of(action), end, ids, device_of, UNEQUAL.comm))
             free = interval.end
+
+
+def _assert_starts_follow_the_shared_rule(schedule, end, durations, comm):
+    """Every pass of ``schedule`` starts at max(its device free, ``input_ready``) on the builder's
+    own flat end times ``end`` (the timing core's pass ids), and ends ``durations[kind*S + stage]``
+    later; the simulator then reports the very same end times."""
+    ids = PassIds(schedule.num_stages, schedule.num_microbatches)
+    device_of = [schedule.placement.device_of(s) for s in range(schedule.num_stages)]
+    for program in schedule.programs:
+        free = 0.0
+        for action in program:
+            x = ids.of(action)
+            duration = durations[x // ids.num_microbatches]
+            ready = input_ready(x, end, ids, device_of, comm)
+            assert ready is not None and end[x] == max(free, ready) + duration, action
+            free = end[x]
+    simulated = simulate(schedule, UNEQUAL).timeline
+    assert all(simulated[action].end == end[ids.of(action)] for program in schedule.programs for action in program)
+
+
+@pytest.mark.parametrize("d,m", [(3, 6), (4, 16), (5, 11)])
+def test_the_builders_place_every_pass_at_the_shared_ready_time(d, m):
+    """zb_builder and v_zb_builder time their passes with the shared rule (``ready.ready_rule``,
+    the simulator's), not per-lane tables of their own: their end times live on the timing core's
+    flat pass ids, and each pass starts when its device is free and ``input_ready`` says so."""
+    for variant in zb_builder.VARIANTS[:2]:
+        builder = zb_builder._Builder(d, m, UNEQUAL, one_f_one_b_peak(d, UNEQUAL), variant, MemoryModel())
+        builder.build()
+        schedule = zb_builder.build_zb(d, m, UNEQUAL, one_f_one_b_peak(d, UNEQUAL), variant, "zb")
+        durations = [2.0 * UNEQUAL.of(kind) for kind in (Kind.F, Kind.B, Kind.W) for _ in range(d)]
+        _assert_starts_follow_the_shared_rule(schedule, builder.end, durations, UNEQUAL.comm)
+    for variant in v_zb_builder.VARIANTS:
+        builder = v_zb_builder._run(d, m, UNEQUAL, variant, None, one_f_one_b_peak(d, UNEQUAL), MemoryModel())
+        schedule = v_zb_builder._to_schedule(builder, d, m)
+        durations = [UNEQUAL.of(kind) for kind in (Kind.F, Kind.B, Kind.W) for _ in range(2 * d)]
+        _assert_starts_follow_the_shared_rule(schedule, builder.end, durations, UNEQUAL.comm)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from .actions import Action, Kind
 from .dependencies import dependencies
 from .inputs import EPS as _EPS
-from .ledger import MemoryLedger, input_ready
+from .ledger import MemoryLedger
+from .ready import ready_rule
 from .schedule import Costs, MemoryModel, Placement, Schedule, ScheduleError
 from .timing import UNSET, PassIds
 
@@ -102,6 +103,7 @@ def greedy_schedule(
     stage_device = [device_of(s) for s in range(num_stages)]
     ids = PassIds(num_stages, num_microbatches)
     end_time = [UNSET] * (3 * ids.per_kind)
+    ready_of = ready_rule(stage_device, num_microbatches, costs.comm)
     missing: dict[Action, int] = {}
     heaps: list[list] = [[] for _ in range(num_devices)]
     ready_at: dict[Action, float] = {}
@@ -116,7 +118,7 @@ def greedy_schedule(
 
     def offer(action: Action) -> None:
         device = stage_device[action.stage]
-        ready = input_ready(ids.of(action), end_time, ids, stage_device, costs.comm)
+        ready = ready_of(ids.of(action), end_time)  # offered once every input has ended: >= 0
         ready_at[action] = ready
         heapq.heappush(heaps[device], (priority(action), action))
         heapq.heappush(events, (ready, device))

@@ -1,4 +1,4 @@
-"""One memory accounting and one ready-time rule for the generators and the simulator.
+"""One memory accounting for the generators and the simulator.
 
 A schedule is capped under the same :class:`MemoryModel` it is reported under only if both
 count alike. Here is that count: F allocates its stage's activation, B and W release it in the
@@ -8,8 +8,8 @@ the simulator's timed memory timeline reports (F allocates at its start, B/W rel
 end, both after the previous pass ended): a generator that keeps every prefix within a cap keeps
 the simulated peak within it.
 
-Tables are flat and indexed like the timing core's durations (``kind * num_stages + stage``),
-and ready times use its pass-id numbering (:class:`timing.PassIds`).
+Tables are flat and indexed like the timing core's durations (``kind * num_stages + stage``).
+The ready-time rule is :mod:`ready`'s (``input_ready`` asks it about one pass).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from collections.abc import Iterable, Sequence
 
 from .actions import Kind
 from .inputs import EPS
+from .ready import ready_rule
 from .schedule import Costs, MemoryModel, Placement
-from .timing import KIND_INDEX, KINDS, UNSET, PassIds
+from .timing import KIND_INDEX, KINDS, PassIds
 
 __all__ = ["MemoryLedger", "activation", "input_ready", "pass_deltas"]
 
@@ -86,30 +87,8 @@ def input_ready(pass_id: int, end: Sequence[float], ids: PassIds, device_of: Seq
                 comm: float) -> float | None:
     """When the inputs of pass ``pass_id`` are all on its device, or None while one is missing.
 
-    F(s) needs F(s-1); B(s) its own F(s) and the gradient of B(s+1); W(s) its own B(s) (the
-    rule of ``dependencies``). An input from another device arrives ``comm`` after it ends.
+    The shared rule (:func:`ready.ready_rule`) for one pass; loops build the rule once instead.
     ``end``: end time per pass id, ``UNSET`` where not yet placed.
     """
-    m, per_kind, last = ids.num_microbatches, ids.per_kind, ids.num_stages - 1
-    kind, rest = divmod(pass_id, per_kind)
-    stage = rest // m
-    device = device_of[stage]
-    if kind == 0:
-        if not stage:
-            return 0.0
-        e = end[pass_id - m]
-        if e == UNSET:
-            return None
-        return e + comm if device_of[stage - 1] != device else e
-    ready = end[pass_id - per_kind]  # B needs its own F; W its own B (same device)
-    if ready == UNSET:
-        return None
-    if kind == 1 and stage < last:
-        e = end[pass_id + m]
-        if e == UNSET:
-            return None
-        if device_of[stage + 1] != device:
-            e += comm
-        if e > ready:
-            ready = e
-    return ready
+    ready = ready_rule(device_of, ids.num_microbatches, comm)(pass_id, end)
+    return None if ready < 0 else ready

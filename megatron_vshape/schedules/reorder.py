@@ -6,7 +6,7 @@ next pass is not ready, starts instead the first pass within a short look-ahead 
 ready, provided that running it early keeps every prefix of the device's remaining order at or
 below the device's original peak. In the steady state nothing waits, so nothing moves there.
 Memory is the shared ledger's count under the given :class:`MemoryModel` (the simulator's), and
-ready times follow the timing core's rule (``ledger.input_ready``).
+ready times follow the timing core's rule (``ready.ready_rule``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import heapq
 
 from .actions import Action
 from .inputs import EPS as _EPS
-from .ledger import MemoryLedger, input_ready
+from .ledger import MemoryLedger
+from .ready import ready_rule
 from .schedule import Costs, MemoryModel, Schedule
 from .timing import UNSET, PassIds
 
@@ -38,6 +39,7 @@ def fill_idle(
     stage_device = [placement.device_of(s) for s in range(num_stages)]
     remaining = [list(program) for program in schedule.programs]
     end_time = [UNSET] * (3 * ids.per_kind)
+    ready_of = ready_rule(stage_device, schedule.num_microbatches, costs.comm)
     free_at = [0.0] * schedule.num_devices
     order: list[list[Action]] = [[] for _ in schedule.programs]
     first_start: list[float | None] = [None] * schedule.num_devices
@@ -50,12 +52,12 @@ def fill_idle(
         running = 0.0  # cumulative memory change of the passes a pulled pass would jump over
         worst = 0.0
         for index, action in enumerate(todo[: lookahead + 1]):
-            ready = input_ready(ids.of(action), end_time, ids, stage_device, costs.comm)
+            ready = ready_of(ids.of(action), end_time)  # < 0: an input is missing
             change = delta(action.kind, action.stage)
-            if ready is not None and ready <= now + _EPS:
+            if 0 <= ready <= now + _EPS:
                 if index == 0 or level[device] + change + worst <= peaks[device] + _EPS:
                     return index
-            elif ready is not None:
+            elif ready >= 0:
                 heapq.heappush(events, ready)
             running += change
             worst = max(worst, running)

@@ -8,8 +8,7 @@ hundreds of thousands of Action tuples was most of the simulator's time at d=64,
 Event driven like :func:`drive.drive`: a device that waits for an input registers on it and is
 woken when it is produced, so the cost is linear in the number of passes.
 
-The ready-time rule is :func:`ledger.input_ready`'s (the generators call it); the loop below
-inlines it, being the simulator's hot spot (tests/test_ledger.py checks they agree).
+The ready-time rule is :func:`ready.ready_rule`'s, the one the generators call.
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from .actions import Action, Kind
+from .ready import UNSET, missing_input, ready_rule
 
 KIND_INDEX = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
 KINDS = (Kind.F, Kind.B, Kind.W)
-UNSET = -1.0
 
 
 @dataclass(frozen=True)
@@ -86,8 +85,7 @@ def run_programs(
     id_programs = [_ids_of(program, ids) for program in programs]
     start = [0.0] * (3 * per_kind)
     end = [UNSET] * (3 * per_kind)
-    grad_offset = m + (per_kind if fused_backward else 0)  # B(s) waits for B(s+1), or W(s+1) if fused
-    last_stage = num_stages - 1
+    ready_at = ready_rule(device_of_stage, m, comm, fused_backward)
     cursor = [0] * len(id_programs)
     free = [0.0] * len(id_programs)
     waiters: dict[int, list[int]] = {}
@@ -100,38 +98,12 @@ def run_programs(
             x = program[c]
             if x < 0:
                 break  # not a pass of this schedule: stays stuck
-            kind, rest = divmod(x, per_kind)
-            ready = now
-            if kind == 0:
-                stage = rest // m
-                if stage:
-                    e = end[x - m]
-                    if e < 0:
-                        waiters.setdefault(x - m, []).append(device)
-                        break
-                    if device_of_stage[stage - 1] != device:
-                        e += comm
-                    if e > ready:
-                        ready = e
-            else:
-                e = end[x - per_kind]  # B needs its own F; W its own B
-                if e < 0:
-                    waiters.setdefault(x - per_kind, []).append(device)
-                    break
-                if e > ready:
-                    ready = e
-                if kind == 1:
-                    stage = rest // m
-                    if stage < last_stage:
-                        dep = x + grad_offset
-                        e = end[dep]
-                        if e < 0:
-                            waiters.setdefault(dep, []).append(device)
-                            break
-                        if device_of_stage[stage + 1] != device:
-                            e += comm
-                        if e > ready:
-                            ready = e
+            ready = ready_at(x, end)
+            if ready < 0:  # an input is not there yet: wait for it
+                waiters.setdefault(missing_input(ready), []).append(device)
+                break
+            if ready < now:
+                ready = now
             start[x] = ready
             now = ready + durations[x // m]
             end[x] = now

@@ -15,7 +15,8 @@ rounds of (one B per device, one F per device), and the remaining W passes last.
 
 Lanes: each device holds stage ``i`` (low, chunk 0) and stage ``2d-1-i`` (high, chunk 1).
 F_LOW and B_HIGH take their input from device ``i-1``; F_HIGH and B_LOW from device ``i+1``
-(the tip of the V, device ``d-1``, hands over locally).
+(the tip of the V, device ``d-1``, hands over locally). Ready times come from the shared rule
+(``ready.ready_rule``) on the timing core's flat pass ids; each lane is one (kind, stage).
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from dataclasses import dataclass
 
 from .actions import Action, Kind
 from .ledger import MemoryLedger
+from .ready import UNSET, ready_rule
 from .schedule import Costs, MemoryModel, Placement, Schedule, one_f_one_b_peak
 
 F_LOW, F_HIGH, B_HIGH, B_LOW, W_HIGH, W_LOW = range(6)
 _KIND = (Kind.F, Kind.F, Kind.B, Kind.B, Kind.W, Kind.W)
-_SOURCE_STEP = (-1, 1, -1, 1, 0, 0)  # the device the input comes from: i-1, i+1, or none (W)
-_LOCAL_INPUT = (None, F_LOW, F_HIGH, B_HIGH, None, None)  # same-device pass that must come first
-_UNSET = -1.0
+_KIND_INDEX = (0, 0, 1, 1, 2, 2)  # the timing core's kind index of each lane
 
 
 class BuildFailed(Exception):
@@ -54,15 +54,21 @@ class _Builder:
         self.uneven = not costs.uniform
         # Per device and lane: the time of the pass, and the memory change from the shared ledger
         # in chunk activations (unit 2: one F of one uniform chunk = 1; 1F1B's peak d units = 2d).
-        self.ledger = MemoryLedger(Placement.v_shape(d), costs, memory, unit=2.0)
+        placement = Placement.v_shape(d)
+        self.ledger = MemoryLedger(placement, costs, memory, unit=2.0)
         self.cost, self.delta = [], []
+        # End times on the timing core's flat pass ids; the pass id of (device, lane, mb) is
+        # base[device][lane] + mb.
+        self.base = []
         for device in range(d):
             stage = (device, 2 * d - 1 - device)
             lane_stage = (stage[0], stage[1], stage[1], stage[0], stage[1], stage[0])
             self.cost.append(tuple(costs.of(_KIND[lane], lane_stage[lane]) for lane in range(6)))
             self.delta.append(tuple(self.ledger.delta(_KIND[lane], lane_stage[lane]) for lane in range(6)))
+            self.base.append(tuple((_KIND_INDEX[lane] * 2 * d + lane_stage[lane]) * m for lane in range(6)))
         self.cap = 2.0 * cap_units + 1e-9
-        self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(6)]
+        self.end = [UNSET] * (6 * d * m)
+        self.ready_of = ready_rule([placement.device_of(stage) for stage in range(2 * d)], m, costs.comm)
         self.count = [[0] * 6 for _ in range(d)]
         self.now = [0.0] * d
         self.mem = self.ledger.level  # updated in place by put (the hot loop), read by the ledger
@@ -74,19 +80,10 @@ class _Builder:
         self.max_approved = max(approved) if approved else -1.0
 
     # -- primitives ------------------------------------------------------------------------
-    def arrival(self, device: int, lane: int, mb: int) -> float | None:
-        """When the cross-device input of (lane, mb) on ``device`` arrives; None if local/none."""
-        step = _SOURCE_STEP[lane]
-        source = device + step
-        if not step or not 0 <= source < self.d:
-            return None
-        end = self.end[lane][source][mb]
-        if end == _UNSET:
-            raise BuildFailed(f"input of lane {lane} mb {mb} on device {device} not placed")
-        return end + self.comm
-
-    def put(self, device: int, lane: int) -> None:
-        # The hot spot of the builder (every pass, several runs): locals, no helper calls.
+    def put(self, device: int, lane: int, ready: float | None = None) -> None:
+        """Append (lane, next microbatch) to ``device``'s program. ``ready``: the shared rule's
+        ready time of that pass, when the caller has asked it already."""
+        # The hot spot of the builder (every pass, several runs): locals, one call (the rule).
         count = self.count[device]
         mb = count[lane]
         if mb >= self.m:
@@ -94,25 +91,21 @@ class _Builder:
         mem = self.mem[device] + self.delta[device][lane]
         if mem > self.cap:
             raise BuildFailed("memory cap")
-        local = _LOCAL_INPUT[lane]
-        if local is not None and count[local] <= mb:
-            raise BuildFailed("local input not placed")
+        x = self.base[device][lane] + mb
+        if ready is None:
+            ready = self.ready_of(x, self.end)
+        if ready < 0:
+            raise BuildFailed(f"input of lane {lane} mb {mb} on device {device} not placed")
         start = self.now[device]
-        step = _SOURCE_STEP[lane]
-        if step and 0 <= device + step < self.d:
-            ready = self.end[lane][device + step][mb]
-            if ready == _UNSET:
-                raise BuildFailed(f"input of lane {lane} mb {mb} on device {device} not placed")
-            ready += self.comm
-            if ready > start:
-                if self.programs[device]:
-                    idle = self.idle[device] + ready - start
-                    self.idle[device] = idle
-                    if idle > self.max_idle:
-                        self.max_idle = idle
-                start = ready
+        if ready > start:  # (a local input has ended by ``start``: only another device's waits)
+            if self.programs[device]:
+                idle = self.idle[device] + ready - start
+                self.idle[device] = idle
+                if idle > self.max_idle:
+                    self.max_idle = idle
+            start = ready
         end = start + self.cost[device][lane]
-        self.end[lane][device][mb] = end
+        self.end[x] = end
         self.now[device] = end
         self.mem[device] = mem
         count[lane] = mb + 1
@@ -137,19 +130,18 @@ class _Builder:
         """Fill the wait before (lane) with W passes; move one more W ahead if the wait is long."""
         while self.mem[device] + self.delta[device][lane] > self.cap:
             self.put_w(device)
-        mb = self.count[device][lane]
-        ready = self.arrival(device, lane, mb)
+        ready = self.ready_of(self.base[device][lane] + self.count[device][lane], self.end)
         pending = self.pending_w[device]
-        if ready is not None:
+        if ready > self.now[device]:  # a wait for another device: fill it (< 0: put fails)
             cost = self.cost[device]
             while pending and ready >= self.now[device] + cost[pending[0]]:
                 self.put_w(device)
             if pending and move_w_ahead and ready - self.now[device] > self.allowance(device):
                 self.put_w(device)
-        self.put(device, lane)
+        self.put(device, lane, ready)  # placing W did not move this pass's inputs
 
     def placed(self, device: int, lane: int, mb: int) -> bool:
-        return 0 <= device < self.d and self.end[lane][device][mb] != _UNSET
+        return 0 <= device < self.d and mb < self.m and self.end[self.base[device][lane] + mb] != UNSET
 
     # -- phases ----------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -158,7 +150,7 @@ class _Builder:
             self.put(i, F_LOW)
         for i in range(d - 1, -1, -1):
             if i < d - 1:
-                back = self.end[F_HIGH][i + 1][0] + self.comm
+                back = self.end[self.base[i + 1][F_HIGH]] + self.comm
                 # Chunk-0 forwards while they fit (keeping room for the chunk-1 forwards that
                 # the i+1 devices closer to the start hold) and end before chunk 1 returns.
                 room = (i + 1) * (self.delta[i][F_LOW] + self.delta[i][F_HIGH])
@@ -201,12 +193,7 @@ class _Builder:
         if not self.uneven:
             return True
         mb = self.count[device][lane]
-        local = _LOCAL_INPUT[lane]
-        if local is not None and self.count[device][local] <= mb:
-            return False
-        step = _SOURCE_STEP[lane]
-        source = device + step
-        return not step or not 0 <= source < self.d or self.end[lane][source][mb] != _UNSET
+        return mb >= self.m or self.ready_of(self.base[device][lane] + mb, self.end) >= 0
 
     def fits(self, device: int, lane: int) -> bool:
         """Whether (lane) fits the cap once every pending W of ``device`` has run (with unequal

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from .actions import Action, Kind
 from .inputs import EPS
 from .ledger import MemoryLedger
+from .ready import UNSET, ready_rule
 from .schedule import Costs, MemoryModel, Placement, Schedule
 
 _F, _B, _W = 0, 1, 2
 _KIND = (Kind.F, Kind.B, Kind.W)
-_UNSET = -1.0
 
 
 class BuildFailed(Exception):
@@ -51,26 +51,25 @@ class _Builder:
         # Per stage (= device): (F, B, W) time, one stage = two V chunks; memory change per kind
         # and level per device from the shared ledger (the simulator's count under ``memory``).
         self.cost = [tuple(2.0 * costs.of(kind, stage) for kind in _KIND) for stage in range(d)]
-        self.ledger = MemoryLedger(Placement.looped(d), costs, memory)
+        placement = Placement.looped(d)
+        self.ledger = MemoryLedger(placement, costs, memory)
         self.delta = [self.ledger.stage_deltas(stage) for stage in range(d)]
         self.cap = cap_units + EPS
-        self.end = [[[_UNSET] * m for _ in range(d)] for _ in range(3)]
+        # End times on the timing core's flat pass ids, read by the shared ready-time rule.
+        self.end = [UNSET] * (3 * d * m)
+        self.ready_of = ready_rule([placement.device_of(stage) for stage in range(d)], m, costs.comm)
         self.count = [[0, 0, 0] for _ in range(d)]
         self.now = [0.0] * d
         self.mem = self.ledger.level  # updated in place by put (the hot loop), read by the ledger
         self.idle = [0.0] * d
         self.programs: list[list[tuple[int, int]]] = [[] for _ in range(d)]
 
-    def arrival(self, stage: int, kind: int, mb: int) -> float | None:
-        source = stage - 1 if kind == _F else stage + 1 if kind == _B else -1
-        if not 0 <= source < self.d:
-            return None
-        end = self.end[kind][source][mb]
-        if end == _UNSET:
-            raise BuildFailed("input not placed")
-        return end + self.comm
+    def pass_id(self, stage: int, kind: int, mb: int) -> int:
+        return (kind * self.d + stage) * self.m + mb
 
-    def put(self, stage: int, kind: int) -> None:
+    def put(self, stage: int, kind: int, ready: float | None = None) -> None:
+        """Append (kind, next microbatch) to ``stage``'s program. ``ready``: the shared rule's
+        ready time of that pass, when the caller has asked it already."""
         c = self.count[stage]
         mb = c[kind]
         if mb >= self.m or (kind == _B and c[_F] <= mb) or (kind == _W and c[_B] <= mb):
@@ -78,13 +77,17 @@ class _Builder:
         if self.mem[stage] + self.delta[stage][kind] > self.cap:
             raise BuildFailed("memory cap")
         start = self.now[stage]
-        ready = self.arrival(stage, kind, mb)
-        if ready is not None and ready > start:
+        x = (kind * self.d + stage) * self.m + mb
+        if ready is None:
+            ready = self.ready_of(x, self.end)  # the shared rule; < 0: an input is not placed
+        if ready < 0:
+            raise BuildFailed("input not placed")
+        if ready > start:
             if c[_F] > 0:
                 self.idle[stage] += ready - start
             start = ready
         end = start + self.cost[stage][kind]
-        self.end[kind][stage][mb] = end
+        self.end[x] = end
         self.now[stage] = end
         self.mem[stage] += self.delta[stage][kind]
         c[kind] += 1
@@ -102,15 +105,15 @@ class _Builder:
             if not self.pending_w(stage):
                 raise BuildFailed("memory cap")
             self.put(stage, _W)
-        ready = self.arrival(stage, kind, self.count[stage][kind])
-        if ready is not None:
+        ready = self.ready_of((kind * self.d + stage) * self.m + self.count[stage][kind], self.end)
+        if ready > self.now[stage]:  # a wait for an input from another stage: fill it (< 0: put fails)
             w = self.cost[stage][_W]
             while self.pending_w(stage) and self.now[stage] + w <= ready:
                 self.put(stage, _W)
             if self.pending_w(stage) and self.now[stage] < ready:
                 if ready - self.now[stage] > self.slack(stage) or self.variant.move_w_ahead:
                     self.put(stage, _W)
-        self.put(stage, kind)
+        self.put(stage, kind, ready)  # placing W did not move this pass's inputs
 
     def warm_up(self) -> None:
         d, m = self.d, self.m
@@ -120,7 +123,7 @@ class _Builder:
         back = 0.0
         for j in range(d - 1, -1, -1):
             if j == d - 1:
-                back = self.end[_F][j][0] + self.cost[j][_B]
+                back = self.end[self.pass_id(j, _F, 0)] + self.cost[j][_B]
                 continue
             f_cost, b_cost = self.cost[j][_F], self.cost[j][_B]
             mem, time = self.mem[j], self.now[j]
