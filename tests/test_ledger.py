@@ -21,6 +21,7 @@ from megatron_vshape.schedules import (
     get_schedule,
     schedule_names,
     simulate,
+    slot_reorder,
     v_zb_builder,
     validate,
     zb_builder,
@@ -31,6 +32,7 @@ from megatron_vshape.schedules.ledger import MemoryLedger, input_ready
 from megatron_vshape.schedules.registry import get_spec
 from megatron_vshape.schedules.reorder import fill_idle
 from megatron_vshape.schedules.schedule import StageWork, one_f_one_b_peak
+from megatron_vshape.schedules.slot_memory import explicit_levels, slot_deltas
 from megatron_vshape.schedules.timing import UNSET, PassIds
 from megatron_vshape.schedules.v_schedules import v_half_block, v_min_block
 from megatron_vshape.schedules.zero_bubble import _f_first_deep
@@ -208,3 +210,27 @@ def test_the_builders_place_every_pass_at_the_shared_ready_time(d, m):
         schedule = v_zb_builder._to_schedule(builder, d, m)
         durations = [UNEQUAL.of(kind) for kind in (Kind.F, Kind.B, Kind.W) for _ in range(2 * d)]
         _assert_starts_follow_the_shared_rule(schedule, builder.end, durations, UNEQUAL.comm)
+
+
+@pytest.mark.parametrize("block", [v_half_block, v_min_block], ids=("v-half", "v-min"))
+@pytest.mark.parametrize("memory", MODELS, ids=("simple", "gpt"))
+def test_the_slot_reorder_counts_with_the_ledger(block, memory):
+    """The slot reorder (v-half, v-min) counts memory with the shared ledger under the model it is
+    given, not with F +1 / W -1 of its own: its count of each final row is the ledger's replay of
+    that device's program, and the bound it reports (its reorder budget) holds for the
+    simulator's peak under that model (B frees part under the GPT model)."""
+    for d in (3, 4, 6):
+        built_block = block(d)
+        placement = built_block.placement
+        scale = placement.layer_scale / 2.0  # chunk activations -> the simulator's units
+        deltas = slot_deltas(placement, memory)
+        for m in (d, 2 * d + 1, 5 * d):
+            built = slot_reorder._slot_rows(built_block, m, True, memory)
+            programs = [[a for a in row if a is not None] for row in built.rows]
+            replayed = MemoryLedger(placement, Costs(), memory, unit=1.0 / scale).replay(programs)
+            counted = tuple(round(max(explicit_levels(row, deltas[dev])), 9) for dev, row in enumerate(built.rows))
+            assert counted == replayed
+            assert max(replayed) <= built.peak + 1e-9
+            schedule = slot_reorder.slot_schedule(built_block, m, "x", built.peak * scale, memory=memory)
+            validate(schedule)
+            assert simulate(schedule, Costs(), memory).peak_memory_max <= built.peak * scale + 1e-9

@@ -15,7 +15,8 @@ its input. This pass moves passes of the warm-up and the cool-down into earlier 
    cool-down pass in which W is implicit (it runs whenever a slot is idle).
 
 Costs enter only afterwards: the order of each device (by slot) is what the simulator squeezes.
-Peaks are counted in slot order, which is also program order, so the simulated peak is the same.
+Peaks are counted in slot order, which is also program order, with the shared ledger's changes
+under the given memory model (``slot_memory``), so the simulated peak is the same.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
 from .actions import Action, Kind
-from .schedule import Schedule
+from .schedule import MemoryModel, Schedule
+from .slot_memory import LazyMemory, SlotDeltas, explicit_levels, slot_deltas
 
 if TYPE_CHECKING:  # blocks imports this module
     from .blocks import BuildingBlock
@@ -48,6 +50,7 @@ class _Plan:
     first_stage: tuple[int, ...]  # per device, its chunk-0 stage
     slot: dict[Action, int]
     at: list[list[Action | None]]
+    deltas: tuple[SlotDeltas, ...]  # per device: the ledger's F/B/W change in chunk activations
 
     def rank(self, action: Action) -> int:
         device = self.device_of[action.stage]
@@ -70,11 +73,12 @@ class _Plan:
 
 
 def slot_schedule(
-    block: BuildingBlock, num_microbatches: int, name: str, max_peak: float, early_cooldown: bool = True
+    block: BuildingBlock, num_microbatches: int, name: str, max_peak: float, early_cooldown: bool = True,
+    memory: MemoryModel = MemoryModel(),
 ) -> Schedule | None:
     """Repeat ``block``, reorder its warm-up and cool-down in slot time, and return the programs;
     None if W placed lazily needs more than ``max_peak`` memory units on some device.
-    ``early_cooldown``: see ``_phases``.
+    ``early_cooldown``: see ``_phases``. Memory is counted under ``memory`` (the simulator's count).
 
     Long runs are built from a short one: the reorder leaves the steady state untouched, and
     there every device repeats the same slots every interval, one microbatch later each time.
@@ -83,7 +87,7 @@ def slot_schedule(
     """
     placement = block.placement
     short = _short_microbatches(block)
-    built = _slot_rows(block, min(short, num_microbatches), early_cooldown)
+    built = _slot_rows(block, min(short, num_microbatches), early_cooldown, memory)
     if built.peak * placement.layer_scale / 2 > max_peak + 1e-9:
         return None
     rows = None
@@ -92,7 +96,7 @@ def slot_schedule(
     else:
         rows = [[a for a in row if a is not None] for row in built.rows]
     if rows is None:
-        rows = [[a for a in row if a is not None] for row in _slot_rows(block, num_microbatches, early_cooldown).rows]
+        rows = [[a for a in row if a is not None] for row in _slot_rows(block, num_microbatches, early_cooldown, memory).rows]
     return Schedule(name, placement, num_microbatches, tuple(map(tuple, rows)))
 
 
@@ -144,12 +148,13 @@ def _repeated(period: list[Action], times: int) -> list[Action]:
 @dataclass(frozen=True)
 class _Built:
     rows: list[list[Action | None]]
-    peak: int  # bound on every device's peak, in chunk activations (the budgets of both reorders)
+    peak: float  # bound on every device's peak, in chunk activations (the budgets of both reorders)
 
 
-def _slot_rows(block: BuildingBlock, num_microbatches: int, early_cooldown: bool) -> _Built:
+def _slot_rows(block: BuildingBlock, num_microbatches: int, early_cooldown: bool,
+               memory: MemoryModel = MemoryModel()) -> _Built:
     """Each device's slots after the two reorders, W placed lazily."""
-    plan = _repeat(block, num_microbatches)
+    plan = _repeat(block, num_microbatches, memory)
     for device in range(block.placement.num_devices):
         _put_w_lazily(plan, device)
     warmup, cooldown = _phases(plan, num_microbatches, early_cooldown)
@@ -164,7 +169,7 @@ def _slot_rows(block: BuildingBlock, num_microbatches: int, early_cooldown: bool
     return _Built(plan.at, max(first_budget, budget))
 
 
-def _repeat(block: BuildingBlock, num_microbatches: int) -> _Plan:
+def _repeat(block: BuildingBlock, num_microbatches: int, memory: MemoryModel) -> _Plan:
     placement = block.placement
     interval = block.interval
     slot: dict[Action, int] = {}
@@ -184,7 +189,7 @@ def _repeat(block: BuildingBlock, num_microbatches: int) -> _Plan:
                     row[s] = action
     device_of = tuple(placement.device_of(s) for s in range(placement.num_stages))
     first = tuple(min(stages) for stages in placement.stages_per_device)
-    return _Plan(placement.num_stages, device_of, first, slot, at)
+    return _Plan(placement.num_stages, device_of, first, slot, at, slot_deltas(placement, memory))
 
 
 def _put_w_lazily(plan: _Plan, device: int) -> None:
@@ -266,28 +271,15 @@ def _earliest(plan: _Plan, action: Action) -> int:
     return ready + 1
 
 
-def _explicit_levels(plan: _Plan, device: int) -> list[int]:
-    """Memory after each slot, in chunk activations: F adds one, W frees one."""
-    levels, level = [], 0
-    for action in plan.at[device]:
-        if action is not None:
-            if action.kind is Kind.F:
-                level += 1
-            elif action.kind is Kind.W:
-                level -= 1
-        levels.append(level)
-    return levels
-
-
-def _reorder_explicit(plan: _Plan, visit: list[Action]) -> int:
+def _reorder_explicit(plan: _Plan, visit: list[Action]) -> float:
     """Move each visited pass to the earliest free slot after its inputs that keeps the device's
-    peak within the largest peak over all devices. W is explicit: an F moved from t to s adds one
-    to the levels of [s, t); a B or W never raises them. Returns that budget."""
-    levels = [_explicit_levels(plan, d) for d in range(len(plan.at))]
+    peak within the largest peak over all devices. W is explicit: an F moved from t to s adds its
+    change to the levels of [s, t); a B or W (which free) never raises them. Returns that budget."""
+    levels = [explicit_levels(plan.at[d], plan.deltas[d]) for d in range(len(plan.at))]
     budget = max(max(level) for level in levels)
     for action in visit:
         device = plan.device_of[action.stage]
-        row, level = plan.at[device], levels[device]
+        row, level, deltas = plan.at[device], levels[device], plan.deltas[device]
         current = plan.slot[action]
         start = _earliest(plan, action)
         if start >= current:
@@ -295,90 +287,28 @@ def _reorder_explicit(plan: _Plan, visit: list[Action]) -> int:
         if action.kind is Kind.F:
             # The levels an earlier F would raise must stay below the budget.
             for s in range(current - 1, start - 1, -1):
-                if level[s] + 1 > budget:
+                if level[s] + deltas.f > budget:
                     start = s + 1
                     break
         target = next((s for s in range(start, current) if row[s] is None), None)
         if target is None:
             continue
         plan.move(action, target)
-        step = 1 if action.kind is Kind.F else -1 if action.kind is Kind.W else 0
+        step = deltas.f if action.kind is Kind.F else deltas.w if action.kind is Kind.W else deltas.b
         if step:
             for s in range(target, current):
                 level[s] += step
     return budget
 
 
-class _LazyMemory:
-    """Memory of one device when W is implicit (an idle slot runs the oldest pending W).
-
-    Moving a pass from slot t into the idle slot s < t leaves the levels before s as they were,
-    never raises a level from t on (the idle slot moves later, so Ws run no later), and raises a
-    level in [s, t) by at most 2 for an F (the F itself, and a W that lost slot s) or 1 for a B.
-    ``upper`` keeps bounds that follow from this; only when a bound could break the budget is
-    the device replayed exactly, from the first slot that may have changed.
-    """
-
-    def __init__(self, row: list[Action | None], budget: int) -> None:
-        self.row = row
-        self.budget = budget
-        self.level: list[int] = [0] * len(row)
-        self.pending: list[int] = [0] * len(row)
-        self.exact_below = 0  # level/pending are exact for the slots below this one
-        self._replay(0)
-        self.upper = list(self.level)
-
-    def peak(self) -> int:
-        return max(self.level, default=0)
-
-    def _replay(self, start: int) -> int:
-        """Recompute level/pending from ``start`` on; return the highest level from there."""
-        row, level_out, pending_out = self.row, self.level, self.pending
-        level = level_out[start - 1] if start else 0
-        pending = pending_out[start - 1] if start else 0
-        peak = level
-        for s in range(start, len(row)):
-            action = row[s]
-            if action is None:
-                if pending:
-                    pending -= 1
-                    level -= 1
-            elif action.kind is Kind.F:
-                level += 1
-                if level > peak:
-                    peak = level
-            elif action.kind is Kind.B:
-                pending += 1
-            level_out[s] = level
-            pending_out[s] = pending
-        self.exact_below = len(row)
-        return peak
-
-    def accept(self, action: Action, target: int, current: int) -> bool:
-        """Called with ``action`` already moved from ``current`` to ``target``: keep it there?"""
-        rise = 2 if action.kind is Kind.F else 1
-        upper = self.upper
-        if max(upper[target:current]) + rise <= self.budget:
-            for s in range(target, current):
-                upper[s] += rise
-            self.exact_below = min(self.exact_below, target)
-            return True
-        start = min(self.exact_below, target)
-        if self._replay(start) <= self.budget:
-            upper[start:] = self.level[start:]
-            return True
-        self.exact_below = target  # the replay saw the move; slots below it are still right
-        return False
-
-
-def _lazy_peak(plan: _Plan, device: int) -> int:
-    return _LazyMemory(plan.at[device], 0).peak()
+def _lazy_peak(plan: _Plan, device: int) -> float:
+    return LazyMemory(plan.at[device], 0.0, plan.deltas[device]).peak()
 
 
 def _reorder_lazy(plan: _Plan, visit: list[Action], budget: int) -> None:
     """As :func:`_reorder_explicit`, with W implicit: try the free slots after the inputs in
     order and keep the first whose device peak stays within ``budget``."""
-    memories: dict[int, _LazyMemory] = {}
+    memories: dict[int, LazyMemory] = {}
     for action in visit:
         device = plan.device_of[action.stage]
         row = plan.at[device]
@@ -388,7 +318,7 @@ def _reorder_lazy(plan: _Plan, visit: list[Action], budget: int) -> None:
                 continue
             memory = memories.get(device)
             if memory is None:
-                memory = memories[device] = _LazyMemory(row, budget)
+                memory = memories[device] = LazyMemory(row, budget, plan.deltas[device])
             plan.move(action, s)
             if memory.accept(action, s, current):
                 break
