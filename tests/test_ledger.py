@@ -1,11 +1,12 @@
 """One memory accounting: the generators cap a schedule under the count the simulator reports.
 
-``schedules.ledger`` holds the per-(kind, stage) memory change under a ``MemoryModel`` and the
-ready-time rule; the simulator, the greedy scheduler, the idle-filling reorder and the
-constructive zero-bubble builders all use it. These tests check that (a) the ledger's peak over
-a program is the simulator's reported peak, for every registry schedule, and (b) each generator
-keeps its cap under the finer GPT model (B frees part), where the old private counts either
-ignored the model (reorder, greedy) or could not be asked for it.
+``schedules.ledger`` holds the per-(kind, stage) memory change under a ``MemoryModel`` and
+``schedules.ready`` the ready-time rule; the simulator, the greedy scheduler, the idle-filling
+reorder, the slot reorder and the constructive zero-bubble builders all use them. These tests
+check that (a) the ledger's peak over a program is the simulator's reported peak, for every
+registry schedule, (b) each generator keeps its cap under the finer GPT model (B frees part),
+where the old private counts either ignored the model (reorder, greedy, slot reorder) or could
+not be asked for it, and (c) every generator times its passes with the shared rule.
 """
 
 from __future__ import annotations
@@ -157,9 +158,9 @@ def test_input_ready_follows_the_dependency_rule():
 
 @pytest.mark.parametrize("name", [n for n in schedule_names() if n not in ("v-auto", "gpipe", "1f1b", "interleaved-1f1b")])
 def test_the_simulator_starts_every_pass_at_the_shared_ready_time(name):
-    """The timing core inlines ``input_ready`` in its hot loop: each pass starts when its device is
-    free and ``input_ready`` says its inputs are there (split-backward schedules; a fused B also
-    waits for the next stage's W)."""
+    """The timing core calls the shared rule (``ready.ready_rule``, which ``input_ready`` asks): each
+    pass starts when its device is free and ``input_ready`` says its inputs are there
+    (split-backward schedules; a fused B also waits for the next stage's W)."""
     d, m = 4, 8
     schedule = get_schedule(name, d, m, UNEQUAL)
     result = simulate(schedule, UNEQUAL)
