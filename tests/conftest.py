@@ -36,3 +36,19 @@ def split():
 def no_split():
     """Megatron's own backward for one test."""
     yield from _wgrad_split_set_to(False)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files with the most multi-process (``slow``) tests run first, the pure-Python files last.
+
+    CI runs the suite on two pytest-xdist workers, one file per work unit (``--dist loadfile``, so a
+    module fixture that launches training runs once). Workers take files in collection order: the
+    long files must start first, and the many short ones then fill whichever worker frees up, instead
+    of one long file starting last and running alone. The order within a file is unchanged.
+    """
+    slow_per_file: dict[str, int] = {}
+    for item in items:
+        slow_per_file.setdefault(str(item.path), 0)
+        slow_per_file[str(item.path)] += item.get_closest_marker("slow") is not None
+    first_seen = {path: index for index, path in enumerate(slow_per_file)}
+    items.sort(key=lambda item: (-slow_per_file[str(item.path)], first_seen[str(item.path)]))

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..cli_parser import OneLineParser, UsageError, usage_error
 from ..progress import phase
 from ..schedules import ScheduleError, inputs
 from ..schedules.stage_layout import format_layout
@@ -35,15 +36,6 @@ PAPER_F_MS = 12.96
 LARGE_SEARCH = 200
 
 
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(f"{message} (see {self.prog} --help)")
-
-
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -55,7 +47,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="vshape plan", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="vshape plan", description=__doc__.split("\n\n")[0])
     m = p.add_argument_group("model")
     m.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (the paper's models)")
     m.add_argument("--layers", type=int)
@@ -232,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         results = run(args)
     except (UsageError, ValueError, ScheduleError) as error:
-        print(f"vshape: error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
+        return usage_error(error)
     model, cost_model = model_from_args(args), cost_model_from_args(args)
     print(f"{model.name} ({model.total_params / 1e9:.1f}B parameters, seq {model.seq_length}) on "
           f"{args.gpus} x {cost_model.gpu.name}, global batch {args.global_batch}, "

@@ -18,7 +18,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_entry(fn, rank, world_size, port, args, queue, backend="gloo"):
+# What every rank of these harnesses imports. On gloo the ranks are forked from one fork server per
+# calling process that has imported these once, so a rank costs a fork instead of about 7 s of CPU
+# re-importing torch and megatron-core (most of the multi-process tests' time on a 2-core machine).
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+           "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron_vshape.runtime.executor",
+           "megatron_vshape.testing.tiny_gpt")
+
+
+def _context(backend: str):
+    """gloo: the preloading fork server; nccl: fresh interpreters (CUDA must not be inherited)."""
+    import multiprocessing as mp
+
+    if backend == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (first call), ignored after
+    return ctx
+
+
+def _rank_entry(fn, rank, world_size, port, args, queue, backend="gloo", environ=None):
+    if environ is not None:  # the fork server's environment is the one of the first call: use the caller's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     if backend == "nccl":
@@ -70,15 +92,14 @@ def spawn(fn, world_size: int, args: tuple = (), timeout: float = 300.0, attempt
 
 
 def _spawn_once(fn, world_size: int, args: tuple, timeout: float, backend: str = "gloo") -> list:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     queue = ctx.Queue()
     port = _free_port()
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE")}
-    os.environ.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")  # children inherit at import
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, queue, backend), daemon=True)
-             for r in range(world_size)]
+    os.environ.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")  # children (and the fork server) inherit
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, queue, backend, environ),
+                         daemon=True) for r in range(world_size)]
     try:
         for proc in procs:
             proc.start()

@@ -26,6 +26,7 @@ patch_python_compat()
 from megatron.training import arguments as megatron_arguments  # noqa: E402
 from megatron.training.arguments import add_megatron_arguments, validate_args  # noqa: E402
 
+from megatron_vshape import schedules  # noqa: E402
 from megatron_vshape.megatron.arguments import add_arguments, validate  # noqa: E402
 
 # What the image provides that validate() looks up (docker/check_kernels.py requires both).
@@ -76,9 +77,31 @@ def check(parser, item) -> str:
     return ""
 
 
+def build_each_schedule_once():
+    """Lines that differ only in flags the schedule does not depend on (TP, DP, sequence, model) share one
+    (schedule, PP, microbatches, costs, limit): our validate() builds and validates that schedule once,
+    not once per line (275 lines, 176 distinct schedules, most at full size)."""
+    built, validated = {}, set()
+    real_get, real_validate = schedules.get_schedule, schedules.validate
+
+    def get_schedule(name, *args, **kwargs):
+        key = (name, args and repr(args), repr(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = real_get(name, *args, **kwargs)
+        return built[key]
+
+    def validate(schedule, *args, **kwargs):
+        if args or kwargs or id(schedule) not in validated:  # every built schedule stays alive in ``built``
+            real_validate(schedule, *args, **kwargs)
+            validated.add(id(schedule))
+
+    schedules.get_schedule, schedules.validate = get_schedule, validate
+
+
 def main():
     # validate_args asks the GPU generation when TP > 1; the scripts target A100 (Ampere = 8).
     megatron_arguments.get_device_arch_version = lambda: 8
+    build_each_schedule_once()
     parser = add_arguments(add_megatron_arguments(_Parser(allow_abbrev=False)))
     items = json.load(sys.stdin)
     print(json.dumps([check(parser, item) for item in items]))
