@@ -38,10 +38,11 @@ def slot_deltas(placement: Placement, memory: MemoryModel = MemoryModel()) -> tu
 def explicit_levels(row: list[Action | None], deltas: SlotDeltas) -> list[float]:
     """Memory after each slot when W passes are in the row (explicit)."""
     levels, level = [], 0.0
-    step = {Kind.F: deltas.f, Kind.B: deltas.b, Kind.W: deltas.w}
+    f, b, w = deltas
     for action in row:
         if action is not None:
-            level += step[action.kind]
+            kind = action.kind
+            level += f if kind is Kind.F else b if kind is Kind.B else w
         levels.append(level)
     return levels
 
@@ -61,7 +62,7 @@ class LazyMemory:
         self.row = row
         self.budget = budget
         self.deltas = deltas
-        self.rise = {Kind.F: deltas.f - deltas.w, Kind.B: max(deltas.b, 0.0) - deltas.w}
+        self.rise_f, self.rise_b = deltas.f - deltas.w, max(deltas.b, 0.0) - deltas.w
         self.level: list[float] = [0.0] * len(row)
         self.pending: list[int] = [0] * len(row)
         self.exact_below = 0  # level/pending are exact for the slots below this one
@@ -100,7 +101,7 @@ class LazyMemory:
 
     def accept(self, action: Action, target: int, current: int) -> bool:
         """Called with ``action`` already moved from ``current`` to ``target``: keep it there?"""
-        rise = self.rise[action.kind]
+        rise = self.rise_f if action.kind is Kind.F else self.rise_b
         upper = self.upper
         if max(upper[target:current]) + rise <= self.budget:
             for s in range(target, current):

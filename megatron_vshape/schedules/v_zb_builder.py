@@ -141,7 +141,7 @@ class _Builder:
         self.put(device, lane, ready)  # placing W did not move this pass's inputs
 
     def placed(self, device: int, lane: int, mb: int) -> bool:
-        return 0 <= device < self.d and mb < self.m and self.end[self.base[device][lane] + mb] != UNSET
+        return 0 <= device < self.d and self.end[self.base[device][lane] + mb] != UNSET  # mb < m
 
     # -- phases ----------------------------------------------------------------------------
     def warm_up(self) -> None:
