@@ -6,18 +6,20 @@ another device arrives ``comm`` after it ends. This is the rule of ``dependencie
 timing core's flat pass ids (``(kind * num_stages + stage) * num_microbatches + microbatch``)
 and flat end-time lists (a negative end: not placed yet).
 
-The timing core, the greedy scheduler, the idle-filling reorder and the constructive
-zero-bubble builders all call the function :func:`ready_rule` returns, so they cannot disagree.
-It is a closure over two flat tables, indexed by ``pass_id // num_microbatches``: each pass
-has at most two inputs, each an id offset and the delay its result takes to arrive. That is
-as cheap as the per-lane tables the builders had (they run it for every pass they place).
+The rule is one table (:func:`input_table`), indexed by ``pass_id // num_microbatches``: each
+pass has at most two inputs, each an id offset and the delay its result takes to arrive. The
+greedy scheduler, the idle-filling reorder and the constructive zero-bubble builders call the
+function :func:`ready_rule` returns (a closure over the table); the timing core reads the same
+table in its hot loop (it also needs the id of a missing input, and a call per pass there cost
+the simulator about 20 %, several simulations per generated schedule).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-__all__ = ["UNSET", "ReadyRule", "missing_input", "ready_rule"]
+__all__ = ["UNSET", "InputTable", "ReadyRule", "input_table", "ready_rule"]
 
 UNSET = -1.0  # end time of a pass not placed yet (any negative value reads as not placed)
 
@@ -26,18 +28,24 @@ UNSET = -1.0  # end time of a pass not placed yet (any negative value reads as n
 ReadyRule = Callable[[int, Sequence[float]], float]
 
 
-def missing_input(result: float) -> int:
-    """The pass id a negative ``ready`` result says is missing."""
-    return int(-1 - result)
+class InputTable(NamedTuple):
+    """The rule as data, per ``k = pass_id // num_microbatches``: at most two inputs, the pass ids
+    ``pass_id - first[k]`` and ``pass_id - second[k]`` (an offset of 0: no such input), whose
+    results arrive ``first_delay[k]`` / ``second_delay[k]`` after they end."""
+
+    num_microbatches: int
+    first: tuple[int, ...]
+    first_delay: tuple[float, ...]
+    second: tuple[int, ...]
+    second_delay: tuple[float, ...]
 
 
-def ready_rule(device_of: Sequence[int], num_microbatches: int, comm: float,
-               fused_backward: bool = False) -> ReadyRule:
-    """The ready-time function of a placement (``device_of[stage]``) for ``num_microbatches``."""
+def input_table(device_of: Sequence[int], num_microbatches: int, comm: float,
+                fused_backward: bool = False) -> InputTable:
+    """The inputs of every (kind, stage) of a placement (``device_of[stage]``)."""
     num_stages, m = len(device_of), num_microbatches
     per_kind = num_stages * m
     grad = -(m + (per_kind if fused_backward else 0))  # B(s) waits for pass id x + m (+ per_kind)
-    # first/second[k]: the input's id is pass_id - offset (0: no input); *_delay: its arrival.
     first, first_delay = [0] * (3 * num_stages), [0.0] * (3 * num_stages)
     second, second_delay = [0] * (3 * num_stages), [0.0] * (3 * num_stages)
     for stage, device in enumerate(device_of):
@@ -48,6 +56,13 @@ def ready_rule(device_of: Sequence[int], num_microbatches: int, comm: float,
         if stage < num_stages - 1:
             second[num_stages + stage] = grad
             second_delay[num_stages + stage] = comm if device_of[stage + 1] != device else 0.0
+    return InputTable(m, tuple(first), tuple(first_delay), tuple(second), tuple(second_delay))
+
+
+def ready_rule(device_of: Sequence[int], num_microbatches: int, comm: float,
+               fused_backward: bool = False) -> ReadyRule:
+    """The ready-time function of a placement (``device_of[stage]``) for ``num_microbatches``."""
+    m, first, first_delay, second, second_delay = input_table(device_of, num_microbatches, comm, fused_backward)
 
     def ready(pass_id: int, end: Sequence[float]) -> float:
         k = pass_id // m

@@ -8,7 +8,8 @@ hundreds of thousands of Action tuples was most of the simulator's time at d=64,
 Event driven like :func:`drive.drive`: a device that waits for an input registers on it and is
 woken when it is produced, so the cost is linear in the number of passes.
 
-The ready-time rule is :func:`ready.ready_rule`'s, the one the generators call.
+The ready-time rule is :mod:`ready`'s: its table (``input_table``), which the generators' rule
+function also reads.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from .actions import Action, Kind
-from .ready import UNSET, missing_input, ready_rule
+from .ready import UNSET, input_table
 
 KIND_INDEX = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
 KINDS = (Kind.F, Kind.B, Kind.W)
@@ -85,7 +86,8 @@ def run_programs(
     id_programs = [_ids_of(program, ids) for program in programs]
     start = [0.0] * (3 * per_kind)
     end = [UNSET] * (3 * per_kind)
-    ready_at = ready_rule(device_of_stage, m, comm, fused_backward)
+    # The shared ready-time rule's table (ready.input_table), read inline: see ready.py.
+    _, first, first_delay, second, second_delay = input_table(device_of_stage, m, comm, fused_backward)
     cursor = [0] * len(id_programs)
     free = [0.0] * len(id_programs)
     waiters: dict[int, list[int]] = {}
@@ -98,14 +100,28 @@ def run_programs(
             x = program[c]
             if x < 0:
                 break  # not a pass of this schedule: stays stuck
-            ready = ready_at(x, end)
-            if ready < 0:  # an input is not there yet: wait for it
-                waiters.setdefault(missing_input(ready), []).append(device)
-                break
-            if ready < now:
-                ready = now
+            k = x // m
+            ready = now
+            offset = first[k]
+            if offset:
+                e = end[x - offset]
+                if e < 0:  # an input is not there yet: wait for it
+                    waiters.setdefault(x - offset, []).append(device)
+                    break
+                e += first_delay[k]
+                if e > ready:
+                    ready = e
+            offset = second[k]
+            if offset:
+                e = end[x - offset]
+                if e < 0:
+                    waiters.setdefault(x - offset, []).append(device)
+                    break
+                e += second_delay[k]
+                if e > ready:
+                    ready = e
             start[x] = ready
-            now = ready + durations[x // m]
+            now = ready + durations[k]
             end[x] = now
             if waiters:
                 woken = waiters.pop(x, None)
