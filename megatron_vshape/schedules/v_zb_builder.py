@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
 
 from .actions import Action, Kind
 from .ledger import MemoryLedger
@@ -118,7 +119,9 @@ class _Builder:
     def put_w(self, device: int) -> None:
         if not self.pending_w[device]:
             raise BuildFailed("no W to free memory")
-        self.put(device, self.pending_w[device].popleft())
+        # A pending W's one input is its own B, already run on this device: by the shared rule
+        # it is ready when the device is free (asking the rule for each W cost ~8 % of a build).
+        self.put(device, self.pending_w[device].popleft(), self.now[device])
 
     def allowance(self, device: int) -> float:
         worst = self.max_idle
@@ -294,7 +297,10 @@ def _to_schedule(builder: _Builder, d: int, m: int) -> Schedule:
     for device, program in enumerate(builder.programs):
         low, high = placement.stages_per_device[device]
         stage = (low, high, high, low, high, low)
-        programs.append(tuple(make(Action, (_KIND[lane], stage[lane], mb)) for lane, mb in program))
+        lanes, mbs = zip(*program) if program else ((), ())
+        # Column-wise in C (a generator per pass cost ~0.1 s a build at d=64, m=512).
+        fields = zip(map(_KIND.__getitem__, lanes), map(stage.__getitem__, lanes), mbs)
+        programs.append(tuple(map(make, repeat(Action), fields)))
     return Schedule("v-zb", placement, m, tuple(programs))
 
 
