@@ -20,14 +20,10 @@ from .actions import Kind
 from .inputs import EPS
 from .ready import ready_rule
 from .schedule import Costs, MemoryModel, Placement
+from .schedule import stage_activation as activation  # one formula, shared with Schedule.activation
 from .timing import KIND_INDEX, KINDS, PassIds
 
 __all__ = ["MemoryLedger", "activation", "input_ready", "pass_deltas"]
-
-
-def activation(placement: Placement, stage: int, costs: Costs) -> float:
-    """One F's activation on ``stage``, in memory units (one microbatch over L/d layers)."""
-    return placement.layer_scale / 2.0 * costs.memory_of(stage)
 
 
 def pass_deltas(placement: Placement, costs: Costs, memory: MemoryModel = MemoryModel(),

@@ -287,8 +287,9 @@ class Schedule:
     def activation(self, stage: int | None = None, costs: Costs | None = None) -> float:
         """Activation of one F in memory units (one microbatch over L/d layers), times
         ``costs.memory_of(stage)`` when both are given."""
-        scale = costs.memory_of(stage) if costs is not None and stage is not None else 1.0
-        return self.placement.layer_scale / 2.0 * scale
+        if costs is None or stage is None:
+            return self.placement.layer_scale / 2.0
+        return stage_activation(self.placement, stage, costs)
 
     def work_per_device(self, costs: Costs) -> list[float]:
         costs.check_stages(self.num_stages, self.name)
@@ -307,3 +308,8 @@ class Schedule:
             raise ScheduleError(f"{len(programs)} program lines for {placement.num_devices} devices")
         microbatches = {a.microbatch for program in programs for a in program}
         return cls(name, placement, max(microbatches) + 1 if microbatches else 0, programs)
+
+
+def stage_activation(placement: Placement, stage: int, costs: Costs) -> float:
+    """One F's activation on ``stage``, in memory units (one microbatch over L/d layers)."""
+    return placement.layer_scale / 2.0 * costs.memory_of(stage)
