@@ -42,7 +42,7 @@ def no_split():
 # The longest files of a CI run (each 1.5-5 minutes of a 2-core machine: Megatron training launches,
 # the full-size Slurm schedules), longest first. Only an ordering hint: a file not listed still runs.
 LONGEST_FILES = ("megatron/test_real_client.py", "megatron/test_pretrain_cpu.py", "runtime/test_executor_exact.py",
-                 "megatron/test_slurm.py", "megatron/test_pipeline_layout_train.py", "runtime/test_megatron_019.py")
+                 "megatron/test_slurm.py", "runtime/test_megatron_019.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

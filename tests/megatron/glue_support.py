@@ -9,6 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -74,14 +77,69 @@ def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout
     The port is free when picked and bound by torchrun's store a moment later: on a shared machine
     another test can take it in between, which fails the launch with EADDRINUSE (not the test's fault).
     """
+    def launch(port: int) -> subprocess.CompletedProcess:
+        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+               *entry, *args]
+        return run_group(cmd, timeout=timeout, env=cpu_env(), cwd=cwd)
+
+    return _on_free_ports(launch, attempts)
+
+
+def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], timeout: float, cwd: Path = ROOT,
+                 attempts: int = 3) -> subprocess.CompletedProcess:
+    """The ranks ``torchrun`` would start, started directly: same environment, and like torchrun, the
+    first rank that fails stops the others. Returns every rank's output, rank 0 first.
+
+    torchrun's own process (an elastic agent that imports torch) costs about 3 s of CPU per launch
+    here, a sixth of a tiny training run; the tests that launch many runs use this, and the
+    commands the README and the patch README give keep ``torchrun`` (:func:`torchrun`).
+    """
+    return _on_free_ports(lambda port: _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd), attempts)
+
+
+def _on_free_ports(launch, attempts: int) -> subprocess.CompletedProcess:
     for attempt in range(attempts):
-        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(free_port()), *entry, *args]
-        result = run_group(cmd, timeout=timeout, env=cpu_env(), cwd=cwd)
+        result = launch(free_port())
         clash = result.returncode != 0 and any(text in result.stdout for text in PORT_CLASH)
         if not clash or attempt + 1 == attempts:
             return result
     raise AssertionError("unreachable")
+
+
+def _rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    return cpu_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: float,
+               cwd: Path) -> subprocess.CompletedProcess:
+    """One launch: wait for every rank; on the first failure or the timeout kill every rank's process group."""
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
+    procs = [subprocess.Popen([python, *argv], cwd=cwd, env=_rank_env(rank, nproc, port), stdout=log,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for rank, log in enumerate(logs)]
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(code is not None for code in codes) or any(codes) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    out = "".join(outputs)
+    if not any(codes) and None in codes:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(argv)}\n{out[-4000:]}")
+    returncode = next((code for code in codes if code), 0)  # the first failure, as torchrun reports it
+    return subprocess.CompletedProcess([python, *argv], returncode, out, "")
 
 
 # Megatron's iteration log line: "iteration 3/ 5 | ... | lm loss: 4.524867E+00 | ..."
@@ -90,12 +148,14 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
 
 
-def launch_each(python: str, nproc: int, launches: dict[str, tuple[list[str], list[str]]],
-                timeout: float) -> dict[str, str]:
-    """torchrun every ``name: (entry, args)`` in order; return each one's output (a failed launch fails the test)."""
+def launch_each(python: str, nproc: int, launches: dict[str, tuple[list[str], list[str]]], timeout: float,
+                via_torchrun: Collection[str] = ()) -> dict[str, str]:
+    """Launch every ``name: (entry, args)`` in order (:func:`launch_ranks`; under ``torchrun`` the names in
+    ``via_torchrun``); return each one's output (a failed launch fails the test)."""
     out = {}
     for name, (entry, args) in launches.items():
-        result = torchrun(python, nproc, entry, args, timeout=timeout)
+        launcher = torchrun if name in via_torchrun else launch_ranks
+        result = launcher(python, nproc, entry, args, timeout=timeout)
         assert result.returncode == 0, f"{name}:\n{result.stdout[-5000:]}"
         out[name] = result.stdout
     return out
@@ -106,8 +166,7 @@ def run_ranks_by_hand(python: str, args: list[str], world: int, timeout: float) 
     as soon as one fails); return each rank's (exit code, output). Every process group is killed at the end."""
     port = free_port()
     procs = [subprocess.Popen([python, *args], cwd=ROOT,
-                              env=cpu_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              env=_rank_env(r, world, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
              for r in range(world)]
     try:

@@ -1,8 +1,12 @@
-"""The tests' torchrun launcher picks a new port when another process took the one it picked."""
+"""The tests' launchers: torchrun picks a new port when another process took the one it picked; ranks
+started directly get torchrun's environment, and a failing or hung launch ends like under torchrun."""
 
 import subprocess
+import sys
+import time
 
 import glue_support
+import pytest
 
 
 def _fake_run_group(outputs):
@@ -36,3 +40,46 @@ def test_other_failures_are_not_retried_and_clashes_stop_after_the_attempts(monk
     monkeypatch.setattr(glue_support, "run_group", fake)
     assert glue_support.torchrun("python", 2, ["train.py"], [], timeout=5, attempts=3).returncode == 1
     assert len(calls) == 3
+
+
+RANK_SCRIPT = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} port {os.environ['MASTER_PORT']}")
+mode = sys.argv[1]
+if mode == "fail" and rank == 1:
+    sys.exit(7)
+if mode != "ok":
+    time.sleep(60)
+"""
+
+
+def _rank_script(tmp_path):
+    path = tmp_path / "rank.py"
+    path.write_text(RANK_SCRIPT)
+    return [str(path)]
+
+
+@pytest.mark.slow
+def test_ranks_started_directly_get_torchruns_environment_and_their_outputs_are_kept(tmp_path):
+    result = glue_support.launch_ranks(sys.executable, 3, _rank_script(tmp_path), ["ok"], timeout=30)
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    port = lines[0].split()[-1]
+    assert lines == [f"rank {r} of 3 local {r} port {port}" for r in range(3)]
+
+
+@pytest.mark.slow
+def test_the_first_failing_rank_stops_the_others_like_torchrun(tmp_path):
+    start = time.monotonic()
+    result = glue_support.launch_ranks(sys.executable, 2, _rank_script(tmp_path), ["fail"], timeout=50)
+    assert result.returncode == 7 and time.monotonic() - start < 20  # not the other rank's 60 s sleep
+    assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_hung_launch_fails_the_test_at_its_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="timed out after 2s"):
+        glue_support.launch_ranks(sys.executable, 2, _rank_script(tmp_path), ["hang"], timeout=2)
+    assert time.monotonic() - start < 20

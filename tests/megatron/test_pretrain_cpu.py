@@ -1,11 +1,13 @@
-"""scripts/pretrain_gpt.py and the runner on CPU: 4 gloo ranks under torchrun, Megatron's own training loop.
+"""scripts/pretrain_gpt.py and the runner on CPU: 4 gloo ranks, Megatron's own training loop.
 
-The issue's acceptance run (a tiny GPT, 5 iterations, dropout 0.1) with Megatron's own 1F1B and with
-V-Half through ``python -m megatron_vshape.run``: every iteration's lm loss must agree to 1e-5, since a
-schedule must not change the maths (schedule-invariant dropout and initialisation are on by default).
-V-ZB also resumes from 1F1B's checkpoint (checkpoint portability across placements). Megatron-LM's own
-unmodified pretrain_gpt.py is tested in test_real_client.py. Each launch costs ~30-45 s on 2 cores (most
-of it imports), so the four launches are shared by the tests.
+The issue's acceptance run (a tiny GPT, 5 iterations, dropout 0.1; under ``torchrun``) with Megatron's own
+1F1B and with V-Half: every iteration's lm loss must agree to 1e-5, since a schedule must not change the
+maths (schedule-invariant dropout and initialisation are on by default). V-Half's checkpoint then resumes
+under V-ZB, under 1F1B's looped placement, and under ``--pipeline-layout balanced`` (checkpoint portability
+across placements and layer layouts). The vocabulary (1024) makes the LM head worth several layers, so
+the balanced layout really moves layers. Megatron-LM's own unmodified pretrain_gpt.py is tested in
+test_real_client.py (and runs the balanced resume here). Each launch costs ~25-45 s on 2 cores (most of it
+imports), so the six launches are shared by the tests.
 """
 
 import json
@@ -13,15 +15,17 @@ import re
 
 import pytest
 from glue_support import GRAD_NORM, LOSS, ROOT, launch_each, run_ranks_by_hand
+from test_real_client import client_dir  # noqa: F401 (fixture: the Megatron-LM checkout, skipped without one)
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
 TINY = ("--cpu --pipeline-model-parallel-size 4 --num-layers 8 --hidden-size 64 --num-attention-heads 4 "
         "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
-        "--train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+        "--train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
         "--log-interval 1").split()
 VSHAPE = re.compile(r"\[vshape\] schedule (\S+) \| predicted bubble ([0-9.]+)% \| "
                     r"peak activation MiB per pipeline rank: ([0-9., ]+)")
+LAYOUT = re.compile(r"\[vshape\] pipeline layout: ([0-9,]+) transformer layers per stage")
 
 
 def with_values(args: list[str], values: dict[str, str]) -> list[str]:
@@ -38,14 +42,17 @@ def losses(output: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def runs(mc19_python, tmp_path_factory):
-    """Four launches shared by the tests below.
+def runs(mc19_python, client_dir, tmp_path_factory):  # noqa: F811 (the imported fixture)
+    """Six launches shared by the tests below.
 
     1f1b: Megatron's own 1F1B through scripts/pretrain_gpt.py, uninterrupted (the reference);
     v-half: the issue's acceptance command (schedule flag moved first), saving a checkpoint at iteration 3;
     v-zb-resumed: the runner with scripts/pretrain_gpt.py, resuming V-Half's checkpoint under V-ZB;
     1f1b-resumed: resuming V-Half's checkpoint under Megatron's own 1F1B (the looped placement);
-    v-zb-replan: V-ZB re-planned from costs measured in iterations 2-3 (--pipeline-costs auto).
+    v-zb-replan: V-ZB re-planned from costs measured in iterations 2-3 (--pipeline-costs auto);
+    balanced: V-Half with ``--pipeline-layout balanced`` (the planner moves layers off device 0) resuming
+    V-Half's uniform checkpoint through the runner and Megatron-LM's own pretrain_gpt.py, whose config
+    container builds the model from a config made before any chunk (the path that once ignored the layout).
     """
     script = str(ROOT / "scripts" / "pretrain_gpt.py")
     ckpt = tmp_path_factory.mktemp("ckpt")
@@ -60,7 +67,11 @@ def runs(mc19_python, tmp_path_factory):
     costs_file = tmp_path_factory.mktemp("costs") / "costs.json"
     launches["v-zb-replan"] = ([script], ["--pipeline-schedule", "v-zb", *TINY, "--pipeline-costs", "auto",
                                           "--pipeline-costs-iters", "2", "--pipeline-costs-out", str(costs_file)])
-    return {"ckpt": ckpt, "costs_file": costs_file, **launch_each(mc19_python, 4, launches, timeout=240)}
+    launches["balanced"] = ([*runner, str(client_dir / "pretrain_gpt.py")],
+                            ["--pipeline-schedule", "v-half", *TINY, "--pipeline-layout", "balanced", "--load",
+                             str(ckpt), "--ckpt-step", "3", "--eval-interval", "5", "--eval-iters", "1"])
+    outputs = launch_each(mc19_python, 4, launches, timeout=240, via_torchrun={"v-half"})  # the README's command
+    return {"ckpt": ckpt, "costs_file": costs_file, **outputs}
 
 
 @pytest.mark.timeout(900)
@@ -93,10 +104,11 @@ def test_vshape_log_line_has_bubble_and_every_pipeline_ranks_peak(runs):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("resumed", ["v-zb-resumed", "1f1b-resumed"])
-def test_checkpoint_from_v_half_resumes_under_other_schedules(runs, resumed):
-    """A torch_dist checkpoint saved under V-Half's placement loads under V-ZB and under 1F1B's looped
-    placement, and training continues exactly like the uninterrupted run."""
+@pytest.mark.parametrize("resumed", ["v-zb-resumed", "1f1b-resumed", "balanced"])
+def test_checkpoint_from_v_half_resumes_under_other_schedules_and_layouts(runs, resumed):
+    """A torch_dist checkpoint saved under V-Half's placement and uniform layout loads under V-ZB, under
+    1F1B's looped placement and under the balanced layout (global layer numbers in its keys), and training
+    continues exactly like the uninterrupted run: neither placement nor layout changes the maths."""
     assert "loading distributed checkpoint" in runs[resumed]
     own, after = losses(runs["1f1b"]), losses(runs[resumed])
     assert sorted(after) == [4, 5], runs[resumed][-3000:]
@@ -105,6 +117,15 @@ def test_checkpoint_from_v_half_resumes_under_other_schedules(runs, resumed):
     # so iteration 5 is compared through the gradient norm (the weights after the first resumed step).
     own_norms, resumed_norms = dict(GRAD_NORM.findall(runs["1f1b"])), dict(GRAD_NORM.findall(runs[resumed]))
     assert resumed_norms["4"] == own_norms["4"] and resumed_norms["5"] == own_norms["5"]
+
+
+@pytest.mark.timeout(900)
+def test_balanced_layout_is_uneven_and_logged(runs):
+    found = LAYOUT.findall(runs["balanced"])
+    assert len(found) == 1, runs["balanced"][-3000:]
+    counts = [int(n) for n in found[0].split(",")]
+    assert len(counts) == 8 and sum(counts) == 8 and len(set(counts)) > 1, counts
+    assert not LAYOUT.search(runs["v-half"])  # uniform (the default) prints nothing new
 
 
 @pytest.mark.timeout(180)

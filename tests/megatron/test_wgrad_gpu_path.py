@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from glue_support import LOSS, ROOT, torchrun
+from glue_support import LOSS, ROOT, launch_ranks
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -23,7 +23,7 @@ W_COUNTS = re.compile(r"\[vshape\] schedule v-zb \|.*\| W deferred/run per pipel
 
 
 def _launch(python: str, entry: list[str]) -> str:
-    result = torchrun(python, 2, entry, ARGS, timeout=240)
+    result = launch_ranks(python, 2, entry, ARGS, timeout=240)
     assert result.returncode == 0, result.stdout[-5000:]
     return result.stdout
 
