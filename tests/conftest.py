@@ -1,5 +1,6 @@
 """Fixtures and settings shared by the tests of several directories."""
 
+import gc
 import os
 from pathlib import Path
 
@@ -50,9 +51,10 @@ def pytest_collection_modifyitems(session, config, items):
     pure-Python files.
 
     CI runs the suite on two pytest-xdist workers, one file per work unit (``--dist loadfile``, so a
-    module fixture that launches training runs once). Workers take files in collection order: the
-    long files must start first, and the many short ones then fill whichever worker frees up, instead
-    of one long file starting last and running alone. The order within a file is unchanged.
+    module fixture that launches training runs once). With ``--no-loadscope-reorder`` workers take files
+    in this collection order (without it, xdist orders files by test count, and this order only breaks
+    ties): the long files start first, and the many short ones then fill whichever worker frees up,
+    instead of one long file starting last and running alone. The order within a file is unchanged.
     """
     tests_dir = Path(__file__).parent
     slow_per_file: dict[Path, int] = {}
@@ -66,3 +68,10 @@ def pytest_collection_modifyitems(session, config, items):
         return longest, -slow_per_file[path], first_seen[path]
 
     items.sort(key=lambda item: rank(item.path))
+
+
+def pytest_collection_finish(session):
+    """Everything imported so far (torch, megatron-core, hypothesis, every test module) lives until the
+    run ends: move it out of the garbage collector's reach, so that the full collections that schedule
+    building triggers (10^5-10^6 tuples per large schedule) do not re-scan it each time."""
+    gc.freeze()

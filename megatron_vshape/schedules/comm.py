@@ -69,44 +69,46 @@ class DevicePlan:
     recv_order: dict[int, tuple[Message, ...]]
 
 
-def incoming_messages(schedule: Schedule, action: Action) -> tuple[Message, ...]:
-    """Messages ``action`` must receive before it can run (none for same-device inputs)."""
-    device = schedule.device_of(action)
-    out = []
-    for dep in dependencies(action, schedule.num_stages):
-        if dep.stage == action.stage:
-            continue  # own F before B, own B before W: always local
-        src = schedule.device_of(dep)
-        if src != device:
-            payload = Payload.ACTIVATION if action.kind is Kind.F else Payload.GRADIENT
-            out.append(Message(payload, dep.stage, dep.microbatch, src, device))
-    return tuple(out)
+def _message_rules(schedule: Schedule):
+    """``(incoming, outgoing)`` for one schedule: the messages an action must receive before it runs (none
+    for same-device inputs), and those it produces for a consumer on another device.
 
+    The stage -> device table and stage count are looked up once: lowering touches every action, and
+    full-size schedules (d = 64, hundreds of microbatches) have about 10^5 of them.
+    """
+    num_stages = schedule.num_stages
+    device_of = [schedule.placement.device_of(stage) for stage in range(num_stages)]
 
-def outgoing_messages(schedule: Schedule, action: Action) -> tuple[Message, ...]:
-    """Messages produced by ``action`` for a consumer on another device."""
-    if action.kind is Kind.F and action.stage + 1 < schedule.num_stages:
-        consumer, payload = action.stage + 1, Payload.ACTIVATION
-    elif action.kind is Kind.B and action.stage > 0:
-        consumer, payload = action.stage - 1, Payload.GRADIENT
-    else:
-        return ()
-    device = schedule.device_of(action)
-    dst = schedule.placement.device_of(consumer)
-    if dst == device:
-        return ()  # the tip of the V, or two stages on one device: handed over locally
-    return (Message(payload, action.stage, action.microbatch, device, dst),)
+    def incoming(action: Action) -> tuple[Message, ...]:
+        device = device_of[action.stage]
+        payload = Payload.ACTIVATION if action.kind is Kind.F else Payload.GRADIENT
+        return tuple(
+            Message(payload, dep.stage, dep.microbatch, device_of[dep.stage], device)
+            for dep in dependencies(action, num_stages)
+            # own F before B, own B before W: always local; so is a producer on this device
+            if dep.stage != action.stage and device_of[dep.stage] != device
+        )
+
+    def outgoing(action: Action) -> tuple[Message, ...]:
+        if action.kind is Kind.F and action.stage + 1 < num_stages:
+            consumer, payload = action.stage + 1, Payload.ACTIVATION
+        elif action.kind is Kind.B and action.stage > 0:
+            consumer, payload = action.stage - 1, Payload.GRADIENT
+        else:
+            return ()
+        device, dst = device_of[action.stage], device_of[consumer]
+        if dst == device:
+            return ()  # the tip of the V, or two stages on one device: handed over locally
+        return (Message(payload, action.stage, action.microbatch, device, dst),)
+
+    return incoming, outgoing
 
 
 def lower(schedule: Schedule) -> tuple[DevicePlan, ...]:
     """Per-device p2p plans for ``schedule``."""
-    steps_per_device = [
-        tuple(
-            Step(action, incoming_messages(schedule, action), outgoing_messages(schedule, action))
-            for action in program
-        )
-        for program in schedule.programs
-    ]
+    incoming, outgoing = _message_rules(schedule)
+    steps_per_device = [tuple(Step(action, incoming(action), outgoing(action)) for action in program)
+                        for program in schedule.programs]
     send_order: dict[tuple[int, int], list[Message]] = defaultdict(list)
     for steps in steps_per_device:
         for step in steps:
