@@ -17,7 +17,7 @@ import types
 
 import pytest
 import torch
-from _wgrad_support import fake_te_classes, split_spec_layer_worker
+from _gpu_path_workers import fake_te_classes, split_spec_layer_worker
 
 from megatron_vshape.megatron import layer_spec
 from megatron_vshape.runtime import te_wgrad

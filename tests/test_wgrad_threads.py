@@ -13,7 +13,8 @@ import threading
 
 import pytest
 import torch
-from _wgrad_support import backward_on_new_threads, threaded_executor_worker
+from _autograd_threads import backward_on_new_threads
+from _gpu_path_workers import threaded_executor_worker
 
 from megatron_vshape.runtime.wgrad import (
     WeightGradStore,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _wgrad_support import recompute_dropout_worker  # noqa: E402
+from _gpu_path_workers import recompute_dropout_worker  # noqa: E402
 
 from megatron_vshape.testing import spawn  # noqa: E402
 

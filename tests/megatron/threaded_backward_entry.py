@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _wgrad_support import backward_on_new_threads  # noqa: E402
+from _autograd_threads import backward_on_new_threads  # noqa: E402
 
 if __name__ == "__main__":
     script, sys.argv = sys.argv[1], sys.argv[1:]
