@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from . import adaptive, baselines, v_schedules, zero_bubble
+from .gc_pause import without_gc
 from .schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
 
 # Largest microbatch count searched for one that passes a check (inputs.MAX caps the CLI at 65536).
@@ -91,6 +92,7 @@ class ScheduleSpec:
             return f"{self.name} needs at least 1 microbatch; got {num_microbatches}"
         return self.size_rule.problem(self.name, num_devices, num_microbatches) if self.size_rule else None
 
+    @without_gc
     def build(self, num_devices: int, num_microbatches: int, costs: Costs = Costs(),
               memory_limit: float | None = None, *, chunks: int = 2, memory: MemoryModel | None = None) -> Schedule:
         """The schedule; :class:`ScheduleError` with a one-line fix for sizes or a limit it cannot take."""

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .actions import Action
+from .gc_pause import without_gc
 from .ledger import pass_deltas
 from .schedule import Costs, MemoryModel, Schedule, ScheduleError
 from .timing import KINDS, Interval, ProgramTimes, Timeline, run_programs, stage_durations
@@ -61,6 +62,7 @@ class SimulationResult:
         }
 
 
+@without_gc
 def simulate(
     schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()
 ) -> SimulationResult:

@@ -6,6 +6,7 @@ from collections import Counter
 
 from .comm import check_plan, lower
 from .dependencies import all_actions, dependencies
+from .gc_pause import without_gc
 from .schedule import Schedule, ScheduleError
 
 
@@ -13,6 +14,7 @@ class InvalidSchedule(ScheduleError):
     pass
 
 
+@without_gc
 def validate(schedule: Schedule) -> None:
     """Raise :class:`InvalidSchedule` (or a subclass of ScheduleError) if anything is wrong."""
     _check_complete(schedule)
