@@ -12,7 +12,8 @@ class SpawnError(RuntimeError):
     """A rank failed, died or timed out (the message carries its traceback)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free at this moment (another process may take it before it is bound: see PORT_CLASH)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -69,7 +70,8 @@ def _rank_entry(fn, rank, world_size, port, args, queue, backend="gloo", environ
             pass
 
 
-_PORT_CLASH = ("Address already in use", "EADDRINUSE")
+# What a launch whose rendezvous port was taken in the meantime prints: retried on a new port.
+PORT_CLASH = ("Address already in use", "EADDRINUSE")
 
 
 def spawn(fn, world_size: int, args: tuple = (), timeout: float = 300.0, attempts: int = 3,
@@ -86,7 +88,7 @@ def spawn(fn, world_size: int, args: tuple = (), timeout: float = 300.0, attempt
         try:
             return _spawn_once(fn, world_size, args, timeout, backend)
         except SpawnError as err:
-            if attempt + 1 == attempts or not any(text in str(err) for text in _PORT_CLASH):
+            if attempt + 1 == attempts or not any(text in str(err) for text in PORT_CLASH):
                 raise
     raise AssertionError("unreachable")
 
@@ -94,7 +96,7 @@ def spawn(fn, world_size: int, args: tuple = (), timeout: float = 300.0, attempt
 def _spawn_once(fn, world_size: int, args: tuple, timeout: float, backend: str = "gloo") -> list:
     ctx = _context(backend)
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE")}
     os.environ.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")  # children (and the fork server) inherit
     environ = dict(os.environ)

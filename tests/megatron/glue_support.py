@@ -6,15 +6,17 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from megatron_vshape.testing.spawn import PORT_CLASH, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MC19 = Path("/opt/venv-mc19/bin/python")
@@ -61,15 +63,6 @@ def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-PORT_CLASH = ("Address already in use", "EADDRINUSE")  # as megatron_vshape.testing.spawn retries on
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout: float, cwd: Path = ROOT,
              attempts: int = 3) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run`` on a free port; a new port when another process took it first.
@@ -94,10 +87,27 @@ def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], tim
     here, a sixth of a tiny training run; the tests that launch many runs use this, and the
     commands the README and the patch README give keep ``torchrun`` (:func:`torchrun`).
     """
-    return _on_free_ports(lambda port: _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd), attempts)
+    def launch(port: int) -> subprocess.CompletedProcess:
+        ranks = _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd, stop_on_failure=True)
+        return subprocess.CompletedProcess([python, *entry, *args], ranks.returncode, ranks.stdout, "")
+
+    return _on_free_ports(launch, attempts)
 
 
-def _on_free_ports(launch, attempts: int) -> subprocess.CompletedProcess:
+def run_ranks_by_hand(python: str, args: list[str], world: int, timeout: float,
+                      attempts: int = 3) -> list[tuple[int, str]]:
+    """Start ``world`` ranks of ``python args...`` and let each run to its end (torchrun would kill the
+    slower ranks as soon as one fails); return each rank's (exit code, output)."""
+    def launch(port: int) -> Ranks:
+        return _run_ranks(python, world, args, port, timeout, ROOT, stop_on_failure=False)
+
+    ranks = _on_free_ports(launch, attempts)
+    return list(zip(ranks.codes, ranks.outputs))
+
+
+def _on_free_ports(launch, attempts: int):
+    """``launch(port)`` on a free port; again on a new one when another process took it first (the
+    result has ``returncode`` and ``stdout``)."""
     for attempt in range(attempts):
         result = launch(free_port())
         clash = result.returncode != 0 and any(text in result.stdout for text in PORT_CLASH)
@@ -111,9 +121,26 @@ def _rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: float,
-               cwd: Path) -> subprocess.CompletedProcess:
-    """One launch: wait for every rank; on the first failure or the timeout kill every rank's process group."""
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks of one launch: exit codes (None: stopped after another rank failed) and outputs, in rank order."""
+
+    codes: tuple[int | None, ...]
+    outputs: tuple[str, ...]
+
+    @property
+    def returncode(self) -> int:
+        return next((code for code in self.codes if code), 0)  # the failure, as torchrun reports it
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.outputs)
+
+
+def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: float, cwd: Path,
+               stop_on_failure: bool) -> Ranks:
+    """One launch: every rank's (exit code, output). On the timeout (or, with ``stop_on_failure``, the
+    first failure) every rank's process group is killed; a timeout fails the test."""
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
     procs = [subprocess.Popen([python, *argv], cwd=cwd, env=_rank_env(rank, nproc, port), stdout=log,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -122,7 +149,8 @@ def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: flo
     try:
         while True:
             codes = [p.poll() for p in procs]
-            if all(code is not None for code in codes) or any(codes) or time.monotonic() > deadline:
+            done = all(code is not None for code in codes) or (stop_on_failure and any(codes))
+            if done or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
     finally:
@@ -135,11 +163,9 @@ def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: flo
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    out = "".join(outputs)
-    if not any(codes) and None in codes:
-        pytest.fail(f"timed out after {timeout}s: {' '.join(argv)}\n{out[-4000:]}")
-    returncode = next((code for code in codes if code), 0)  # the first failure, as torchrun reports it
-    return subprocess.CompletedProcess([python, *argv], returncode, out, "")
+    if not done:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(argv)}\n{''.join(outputs)[-4000:]}")
+    return Ranks(tuple(codes), tuple(outputs))
 
 
 # Megatron's iteration log line: "iteration 3/ 5 | ... | lm loss: 4.524867E+00 | ..."
@@ -159,21 +185,3 @@ def launch_each(python: str, nproc: int, launches: dict[str, tuple[list[str], li
         assert result.returncode == 0, f"{name}:\n{result.stdout[-5000:]}"
         out[name] = result.stdout
     return out
-
-
-def run_ranks_by_hand(python: str, args: list[str], world: int, timeout: float) -> list[tuple[int, str]]:
-    """Start ``world`` ranks of ``python args...`` without torchrun (which would kill the slower ranks
-    as soon as one fails); return each rank's (exit code, output). Every process group is killed at the end."""
-    port = free_port()
-    procs = [subprocess.Popen([python, *args], cwd=ROOT,
-                              env=_rank_env(r, world, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return [(p.returncode, out) for p, out in zip(procs, outputs)]

@@ -47,9 +47,12 @@ import os, sys, time
 rank = int(os.environ["RANK"])
 print(f"rank {rank} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} port {os.environ['MASTER_PORT']}")
 mode = sys.argv[1]
-if mode == "fail" and rank == 1:
+if mode.startswith("fail") and rank == 1:
     sys.exit(7)
-if mode != "ok":
+if mode == "fail-then-finish":
+    time.sleep(1)
+    print(f"rank {rank} finished")
+elif mode != "ok":
     time.sleep(60)
 """
 
@@ -83,3 +86,12 @@ def test_a_hung_launch_fails_the_test_at_its_timeout(tmp_path):
     with pytest.raises(pytest.fail.Exception, match="timed out after 2s"):
         glue_support.launch_ranks(sys.executable, 2, _rank_script(tmp_path), ["hang"], timeout=2)
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.slow
+def test_ranks_by_hand_each_run_to_their_end(tmp_path):
+    """For the start-up checks every rank must print its own error: a failure stops no other rank."""
+    (code0, out0), (code1, out1) = glue_support.run_ranks_by_hand(
+        sys.executable, [*_rank_script(tmp_path), "fail-then-finish"], 2, timeout=30)
+    assert (code0, code1) == (0, 7)
+    assert "rank 0 finished" in out0 and out1.startswith("rank 1 of 2")
