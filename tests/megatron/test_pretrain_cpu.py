@@ -6,8 +6,9 @@ maths (schedule-invariant dropout and initialisation are on by default). V-Half'
 under V-ZB, under 1F1B's looped placement, and under ``--pipeline-layout balanced`` (checkpoint portability
 across placements and layer layouts). The vocabulary (1024) makes the LM head worth several layers, so
 the balanced layout really moves layers. Megatron-LM's own unmodified pretrain_gpt.py is tested in
-test_real_client.py (and runs the balanced resume here). Each launch costs ~25-45 s on 2 cores (most of it
-imports), so the six launches are shared by the tests.
+test_real_client.py (and runs the balanced resume here, so without a Megatron-LM checkout these tests
+skip like that file's, and fail under CI). Each launch costs ~25-45 s on 2 cores (most of it imports), so
+the six launches are shared by the tests.
 """
 
 import json
