@@ -47,6 +47,7 @@ from .schedules import (
     validate,
 )
 from .schedules.render_text import text_grid
+from .schedules.validator import w_order_breaks
 
 # The parser, the usage error and Costs stay importable from here (verify and the tests use them).
 __all__ = ["EXPORT_FORMATS", "IMPORT_FORMATS", "Costs", "OneLineParser", "UsageError", "build_parser", "main",
@@ -116,7 +117,7 @@ def _simulate(schedule: Schedule, args):
 
 def _report(result, args) -> None:
     if args.json:
-        print(json.dumps({**result.to_json(), "validated": True}))
+        print(json.dumps({**result.to_json(), "validated": True, "w_order_kept": not w_order_breaks(result.schedule)}))
         return
     schedule = result.schedule
     costs = result.costs
@@ -137,6 +138,9 @@ def _report(result, args) -> None:
     peaks = " ".join(f"{p:g}" for p in result.peak_memory)
     print(f"peak memory   max {result.peak_memory_max:g}   per device: {peaks}")
     print("validated:    ok")
+    breaks = w_order_breaks(schedule)  # TE's deferred W is a FIFO per layer: it needs W in B's order
+    print(f"W order       {'kept on every stage' if not breaks else 'broken: ' + breaks[0]} (TE's deferred W "
+          f"{'can' if not breaks else 'cannot'} serve it)")
     if args.grid:
         print()
         print(text_grid(result))

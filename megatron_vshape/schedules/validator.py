@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .actions import Kind
 from .comm import check_plan, lower
 from .dependencies import all_actions, dependencies
 from .gc_pause import without_gc
@@ -50,3 +51,39 @@ def _check_local_order(schedule: Schedule) -> None:
                     raise InvalidSchedule(
                         f"{schedule.name}: device {device} runs {action} before its dependency {dep}"
                     )
+
+
+# --- W-after-B order (Transformer Engine's deferred weight gradients) ------------------------------
+#
+# TE's linears with ``delay_wgrad_compute=True`` queue each backward's weight-gradient work first-in
+# first-out per module, and ``backward_dw()`` pops the oldest entry: it cannot be told which
+# microbatch to run. A module belongs to one stage, so a schedule can hand its W passes to TE only
+# if, on every stage, the W passes run in the order of the B passes.
+
+
+def w_order_breaks(schedule: Schedule) -> list[str]:
+    """Stages whose W passes do not run in their B passes' order, one line each (empty: order kept).
+
+    The program order of each device is the time order of its passes, and a stage lives on one device.
+    """
+    b_order: dict[int, list[int]] = {}
+    w_order: dict[int, list[int]] = {}
+    for program in schedule.programs:
+        for action in program:
+            if action.kind is Kind.B:
+                b_order.setdefault(action.stage, []).append(action.microbatch)
+            elif action.kind is Kind.W:
+                w_order.setdefault(action.stage, []).append(action.microbatch)
+    breaks = []
+    for stage in sorted(b_order):
+        bs, ws = b_order[stage], w_order.get(stage, [])
+        if bs != ws:
+            first = next(i for i, (b, w) in enumerate(zip(bs, ws + [None] * len(bs))) if b != w)
+            breaks.append(f"stage {stage}: pass {first} of B is microbatch {bs[first]}, of W microbatch "
+                          f"{ws[first] if first < len(ws) else 'none'}")
+    return breaks
+
+
+def keeps_w_order(schedule: Schedule) -> bool:
+    """Whether every stage runs its W passes in the order of its B passes (TE's FIFO can serve them)."""
+    return not w_order_breaks(schedule)
