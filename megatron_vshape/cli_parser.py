@@ -124,5 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that own their argument parsing (lazily imported: verify needs torch).
 DELEGATED = {
     "plan": ("megatron_vshape.planner.cli", "cost model + search: predict MFU, bubble and memory of layouts"),
+    "optimize": ("megatron_vshape.optimize_cli", "the exact schedule of a small cell (OR-Tools CP-SAT; the solver extra)"),
     "verify": ("megatron_vshape.verify", "run one iteration on CPU or GPU ranks (--device cuda) and compare with a one-process run"),
 }
