@@ -1,14 +1,20 @@
 """Iteration time per schedule on CPU ranks (gloo), next to Megatron's own 1F1B.
 
-    python scripts/bench_runtime.py [--pp 2] [--microbatches 8] [--iters 5] [--json FILE]
+    python scripts/bench_runtime.py [--pp 2] [--microbatches 8] [--iters 5] [--json FILE] [--trace FILE]
 
 Spawns ``--pp`` ranks with one thread each, builds a GPT big enough that compute dominates
 (megatron-core GPTModel, local spec, fp32, dropout off), and times full forward-backward
 iterations (median over ``--iters`` after warm-up; each iteration's time is the slowest rank's).
 Rows: ``megatron-1f1b`` (megatron-core's forward_backward_pipelining_without_interleaving) and
 each requested vshape schedule run by the vshape executor. Unless ``--unit-costs``, the schedules
-are built with F/B/W costs measured on a V-ZB warm-up run (the greedy and zero-bubble schedules
-place W passes by cost).
+are built with the costs ``--pipeline-costs auto`` measures (``runtime/replan.py``'s rule, run on a
+V-ZB warm-up: one rule for the benchmarks, the executor and the planner).
+
+Every vshape row records its per-rank timeline (``runtime/timeline.py``); the table after the
+times splits the median iteration of each row per rank into F/B/W, waits for receives and sends,
+bookkeeping and the gradient reduction, with the measured idle (waits + bookkeeping) next to the
+idle predicted by replaying the measured passes (pred) and by the simulator under the measured
+costs (sim). ``--trace FILE`` writes those iterations as one Chrome trace (chrome://tracing).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import statistics
 import sys
 from dataclasses import replace
 
+from megatron_vshape.runtime.timeline import HEADER, chrome_trace, format_rows, simulated_idle, summarize
 from megatron_vshape.schedules import Costs
 from megatron_vshape.testing import spawn
 from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
@@ -37,10 +44,13 @@ def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, war
     model_parallel_cuda_manual_seed(model.seed)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     data = [dict(microbatch(model, i), index=i) for i in range(microbatches)]
-    costs = _measure_costs(model, world_size, pp_rank, microbatches, data) if measure_costs else Costs()
-    runs = {name: _build_row(name, model, world_size, pp_rank, microbatches, costs)
+    measured = _measure_costs(model, world_size, pp_rank, microbatches, data)  # also for the sim column
+    costs = measured if measure_costs else Costs()
+    comm = _measure_comm(model)
+    runs = {name: _build_row(name, model, world_size, pp_rank, microbatches, costs, record_timeline=True)
             for name in ("megatron-1f1b", *schedules)}
     rows = {name: {"wall_s": [], "cpu_s": []} for name in runs}
+    spans = {name: [] for name in runs}  # this rank's timeline of each measured iteration
     # Round-robin over the rows each iteration, so that load changing over time hits all rows alike.
     for step in range(warmup + iters):
         for name, (func, ddp) in runs.items():
@@ -48,38 +58,46 @@ def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, war
             if step >= warmup:
                 rows[name]["wall_s"].append(wall)
                 rows[name]["cpu_s"].append(cpu)
+                spans[name].append(getattr(func, "last_spans", None))
     parallel_state.destroy_model_parallel()
-    return {"rows": rows, "costs": vars(costs)}
+    return {"rows": rows, "costs": vars(costs), "measured_costs": vars(measured), "comm_s": comm, "spans": spans}
 
 
-def _measure_costs(model, world_size, pp_rank, microbatches, data) -> Costs:
-    """Mean F, B, W time of one V chunk (pipeline average), from a V-ZB run: the schedules' costs."""
-    import torch
+def _measure_costs(model, world_size, pp_rank, microbatches, data, iterations: int = 2) -> Costs:
+    """The costs ``--pipeline-costs auto`` measures (runtime/replan.py: per-rank medians of F, of B
+    whose W was deferred, and of W, per V chunk; max over ranks; one message), on a V-ZB run."""
+    from megatron_vshape.runtime.replan import ReplanPolicy
 
-    func, ddp = _build_row("v-zb", model, world_size, pp_rank, microbatches, Costs(), record_timeline=True)
-    sums = torch.zeros(3, dtype=torch.float64)
-    counts = torch.zeros(3, dtype=torch.float64)
-    for _ in range(2):
+    func, ddp = _build_row("v-zb", model, world_size, pp_rank, microbatches, Costs(),
+                           replan=ReplanPolicy(iterations=iterations))
+    for _ in range(iterations + 1):  # one warm-up call, then the measured ones; re-plans after the last
         _time_iteration(func, ddp, data, model, microbatches)
-        for action, start, end in func.last_timeline:
-            index = "FBW".index(action.kind.value)
-            sums[index] += end - start
-            counts[index] += 1
-    torch.distributed.all_reduce(sums)
-    torch.distributed.all_reduce(counts)
-    f, b, w = (sums / counts).tolist()
-    return Costs(f=1.0, b=round(b / f, 3), w=round(w / f, 3))
+    return func.last_replan.costs
 
 
-def _build_row(name, model, world_size, pp_rank, microbatches, costs, record_timeline=False):
+def _measure_comm(model) -> float:
+    """Seconds for one activation message (runtime/replan.py's ring exchange), for the idle prediction."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_vshape.runtime.replan import measure_comm
+
+    shape = (model.seq_length, model.micro_batch_size, model.hidden_size)
+    return measure_comm(parallel_state.get_pipeline_model_parallel_group(), shape, torch.float32,
+                        torch.device("cpu"))
+
+
+def _build_row(name, model, world_size, pp_rank, microbatches, costs, record_timeline=False, replan=None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
     from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
 
+    name, _, variant = name.partition(":")  # "v-zb:eager": the p2p waits of before (one op outstanding)
     ours = build_forward_backward_func("1f1b" if name == "megatron-1f1b" else name, costs=costs,
-                                       record_timeline=record_timeline)
+                                       record_timeline=record_timeline, replan=replan)
+    ours.eager_waits = variant == "eager"
     func = forward_backward_pipelining_without_interleaving if name == "megatron-1f1b" else ours
     placement = ours.schedule(world_size, microbatches).placement
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
@@ -119,7 +137,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES))
+    parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
+                        help="comma-separated; NAME:eager runs NAME with the old p2p waits (each batch at once)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=256)
@@ -127,8 +146,9 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--unit-costs", action="store_true",
-                        help="build schedules with F=B=W instead of the F/B/W times measured on a V-ZB run")
+                        help="build schedules with F=B=W instead of the costs --pipeline-costs auto measures")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--trace", metavar="FILE", help="write each row's median iteration as a Chrome trace")
     args = parser.parse_args(argv)
     if args.pp < 2:
         parser.error("--pp must be >= 2 (this benchmarks pipeline schedules)")
@@ -137,23 +157,62 @@ def main(argv=None) -> int:
     model = replace(ModelSettings(), num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
                     seq_length=args.seq, vocab_size=1024, micro_batch_size=1)
     schedules = tuple(s for s in args.schedules.split(",") if s)
-    (result, *_) = spawn(_worker, args.pp, (model, schedules, args.microbatches, args.warmup, args.iters,
-                                            not args.unit_costs), timeout=args.timeout)
-    rows = result["rows"]
+    results = spawn(_worker, args.pp, (model, schedules, args.microbatches, args.warmup, args.iters,
+                                       not args.unit_costs), timeout=args.timeout)
+    rows, costs = results[0]["rows"], Costs(**results[0]["costs"])
+    measured = Costs(**results[0]["measured_costs"])
     base = statistics.median(rows["1f1b"]["wall_s"]) if "1f1b" in rows else None
     report = []
     print(f"pp={args.pp} m={args.microbatches} layers={args.layers} hidden={args.hidden} seq={args.seq} "
           f"(median of {args.iters}, slowest rank; cpu = busy CPU time of the busiest rank)")
-    print(f"  schedule costs: {result['costs']}")
+    print(f"  schedule costs: {_text(costs)}; measured (runtime/replan.py's rule): {_text(measured)}; "
+          f"one message {1000 * results[0]['comm_s']:.2f} ms")
     for name, times in rows.items():
         wall, cpu = statistics.median(times["wall_s"]), statistics.median(times["cpu_s"])
         vs = f"{base / wall - 1:+6.1%} speed vs 1f1b" if base else ""
         print(f"  {name:14s} wall {wall * 1000:8.1f} ms  cpu {cpu * 1000:8.1f} ms  {vs}")
         report.append({"schedule": name, "median_wall_s": wall, "median_cpu_s": cpu, **times})
+    idle = idle_table(results, args.pp, args.microbatches, costs, measured, schedules)
+    print("\n".join(idle["lines"]))
+    if args.trace:
+        with open(args.trace, "w") as handle:
+            json.dump(chrome_trace(idle["timelines"]), handle)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"config": vars(args), "costs": result["costs"], "rows": report}, handle, indent=2)
+            json.dump({"config": vars(args), "costs": results[0]["costs"], "comm_s": results[0]["comm_s"],
+                       "measured_costs": results[0]["measured_costs"],
+                       "rows": report, "idle": idle["records"]}, handle, indent=2)
     return 0
+
+
+def _text(costs: Costs) -> str:
+    return f"f={costs.f:.3g} b={costs.b:.3g} w={costs.w:.3g} comm={costs.comm:.3g}"
+
+
+def idle_table(results, pp, microbatches, costs: Costs, measured: Costs, schedules) -> dict:
+    """Per schedule and rank, the median iteration's timeline summary (see the module docstring)."""
+    from megatron_vshape.runtime import build_forward_backward_func
+    from megatron_vshape.schedules import lower, simulate
+
+    lines = ["per-rank timeline of the median iteration (ms; idle% = waits + bookkeeping of wall - gsync; "
+             "pred% = replay of the measured passes; sim% = simulator under the measured costs)",
+             HEADER]
+    records, timelines = [], {}
+    comm = results[0]["comm_s"]
+    for name in schedules:
+        walls = results[0]["rows"][name]["wall_s"]
+        median = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]
+        per_rank = [r["spans"][name][median] for r in results]
+        schedule = build_forward_backward_func(name.partition(":")[0], costs=costs).schedule(pp, microbatches)
+        sim = simulate(schedule, measured)
+        summaries = summarize(lower(schedule), per_rank, comm)
+        for s, sim_idle in zip(summaries, simulated_idle(sim)):
+            lines.extend(format_rows(name, [s], sim_idle))
+            records.append({"schedule": name, "rank": s.rank, "wall_s": s.wall, "measured_idle": s.measured_idle,
+                            "predicted_idle": s.predicted_idle, "simulated_idle": sim_idle,
+                            **{c.value: v for c, v in s.totals.items()}})
+        timelines[name] = per_rank
+    return {"lines": lines, "records": records, "timelines": timelines}
 
 
 if __name__ == "__main__":

@@ -56,8 +56,10 @@ from .replan import (
     decide,
     measure_comm,
     relative_costs,
+    timed_iterators,
     write_costs,
 )
+from .timeline import Category, Timeline
 from .watchdog import ScheduleWatchdog
 from .wgrad_adapter import WeightGradAdapter
 
@@ -107,9 +109,13 @@ class ScheduleExecutor:
         self.last_wgrad_counts = None  # weight gradients deferred / run by the last call (wgrad.WgradCounts)
         self.record_timeline = False
         self.last_timeline: list[tuple[Action, float, float]] = []
+        self.current_timeline: Timeline | None = None  # the running call's spans (record_timeline)
+        self.last_spans: Timeline | None = None  # the last call's spans (runtime/timeline.py)
+        self.eager_waits = False  # wait for each p2p batch at once (the old policy; benchmarks compare)
         self.cost_profile: CostProfile | None = None  # --pipeline-costs auto
         self.last_replan: Replan | None = None
         self.watchdog: ScheduleWatchdog | None = None
+        self._loaders: list = []  # this call's timed data iterators, while the cost profile measures
 
     @property
     def costs(self) -> Costs:
@@ -152,7 +158,7 @@ class ScheduleExecutor:
             plans = self._lowered(num_devices, num_microbatches)[1]
             if forward_only:
                 plans = tuple(map(_forward_only_plan, plans))
-            self._programs[key] = exchange_programs(plans, self._costs)
+            self._programs[key] = exchange_programs(plans, self._costs, self.eager_waits)
         return self._programs[key][rank]
 
     # --- megatron signature -------------------------------------------------------------------
@@ -180,6 +186,10 @@ class ScheduleExecutor:
         first = model[0] if isinstance(model, list) else model
         if getattr(getattr(first, "config", None), "defer_embedding_wgrad_compute", False):
             raise ValueError("--defer-embedding-wgrad-compute is not supported with --pipeline-schedule; drop it")
+        self.current_timeline = Timeline() if self.record_timeline else None
+        self._loaders = []
+        if not forward_only and self.cost_profile is not None and self.cost_profile.measuring():
+            data_iterator, self._loaders = timed_iterators(data_iterator)  # batch loading, out of F
         models = model if isinstance(model, list) else [model]
         before = self._wgrad.counts()
         run = Iteration(self, forward_step_func, data_iterator, models, num_microbatches,
@@ -189,6 +199,9 @@ class ScheduleExecutor:
         if not forward_only and self.cost_profile is not None:
             self._after_training_call(run)
         self.last_wgrad_counts = self._wgrad.counts() - before
+        if self.current_timeline is not None:
+            self.current_timeline.mark(Category.BOOKKEEPING, "return")
+            self.last_spans, self.current_timeline = self.current_timeline, None
         return losses
 
 
@@ -199,7 +212,7 @@ class ScheduleExecutor:
         profile = self.cost_profile
         if forward_only or profile is None or not profile.measuring():
             return None
-        return PassClock(cuda=torch.cuda.is_available())
+        return PassClock(cuda=torch.cuda.is_available(), loaders=self._loaders)
 
     def _after_training_call(self, run: Iteration) -> None:
         profile = self.cost_profile
@@ -211,13 +224,13 @@ class ScheduleExecutor:
         profile.done = True
         device = local_device()
         comm = measure_comm(run.pp_group, run.tensor_shape, run.dtype, device)
-        seconds = agree_on_costs(profile.local_medians(), comm, device)
-        costs = relative_costs(seconds, self._costs)
         key = (run.pp_group.size(), run.num_microbatches)
         current = self._lowered(*key)[0]
+        seconds, stage_seconds = agree_on_costs(profile.local_table(current.num_stages), comm, device)
+        costs = relative_costs(seconds, self._costs)
         self._costs = costs  # from now on every schedule is built from the measured costs
         rebuilt = self._build(*key)
-        self.last_replan, chosen = decide(current, rebuilt, costs, profile.training_calls, seconds)
+        self.last_replan, chosen = decide(current, rebuilt, costs, profile.training_calls, seconds, stage_seconds)
         self._schedules = {key: (chosen, self.lower_plans(chosen))}
         self._programs.clear()
         output = profile.policy.output

@@ -10,13 +10,15 @@ those rules. This module only executes it:
   order of :func:`~megatron_vshape.schedules.exchange.warmup_program`. NCCL creates communicators
   lazily and each creation blocks until the peer creates the same one; after the warm-up no
   creation is left for the iterations.
-* :class:`PlanExchange` issues the program's operations from the calling (compute) thread: a POST
-  is one ``batch_isend_irecv`` on the pair's group, a WAIT calls ``Work.wait()`` on its works
-  (on NCCL that makes the current stream wait; on gloo it blocks the CPU). Each POST is waited
-  for before the next operation, so at most one NCCL operation per rank is ever outstanding, and
-  no thread waits on NCCL work. Untagged NCCL pairs the n-th send with the n-th receive of a
-  channel; both sides post in the program's order, so each tensor lands in the buffer meant for
-  it (megatron's batched p2p, which swapped an activation and a gradient, is not used).
+* :class:`PlanExchange` issues the program's operations from the calling (compute) thread, in
+  program order: a POST is one ``batch_isend_irecv`` on the pair's group, a WAIT calls
+  ``Work.wait()`` on its works (on NCCL that makes the current stream wait; on gloo it blocks the
+  CPU). The program waits for a receive right before the pass that needs it and for a send a pass
+  later, so several posted operations may be outstanding; they were posted in the one global order
+  that makes that safe (see ``schedules/exchange.py``), and no thread waits on NCCL work.
+  Untagged NCCL pairs the n-th send with the n-th receive of a channel; both sides post in the
+  program's order, so each tensor lands in the buffer meant for it (megatron's batched p2p, which
+  swapped an activation and a gradient, is not used).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import torch.distributed as dist
 
 from megatron_vshape.schedules import Message, Payload
 from megatron_vshape.schedules.exchange import Op, OpKind, pipeline_pairs, warmup_program
+
+from .timeline import Category, Timeline
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class PlanExchange:
         # (program position, works) waited for but maybe not done: on NCCL a wait only makes the
         # stream wait. Kept (completed ones dropped) so the watchdog can name a stuck operation.
         self._waited: list[tuple[int, list]] = []
+        self.timeline: Timeline | None = None  # set by the executor to split waits from bookkeeping
 
     def advance(self, step: int) -> None:
         """Issue every operation that comes before plan step ``step``."""
@@ -123,8 +128,12 @@ class PlanExchange:
             works, buffers, _sent = self._posted.pop(op.index)  # the sent tensors may go now
             self._waited = [(pos, ws) for pos, ws in self._waited if not _all_completed(ws)]
             self._waited.append((op.index, works))
+            if self.timeline is not None:
+                self.timeline.mark(Category.BOOKKEEPING)
             for work in works:
                 work.wait()
+            if self.timeline is not None:
+                self.timeline.mark(Category.WAIT_RECV if buffers else Category.WAIT_SEND, str(self._program[op.index]))
             for msg, buffer in buffers:
                 if msg is not None:
                     self._received[msg] = buffer

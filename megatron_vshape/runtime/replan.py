@@ -7,16 +7,28 @@ earn their keep by knowing the real ratios. With ``--pipeline-costs auto`` the e
 1. runs one warm-up iteration unmeasured (allocations, first-call overheads), then times every pass of
    the next ``iterations`` training iterations (:class:`PassClock`: CUDA events on GPU, because a host
    clock only sees kernel launches there; ``perf_counter`` on CPU);
-2. reduces them on each rank to one median time per kind, per V chunk of layers (a looped stage holds
-   two chunks' worth of layers: its times are halved), and measures one message (a ring exchange of
-   an activation over the pipeline group);
-3. takes the **maximum over all ranks** (an all-reduce over the default group), so every rank holds
-   the same costs and builds the identical schedule at the same iteration;
-4. rebuilds the schedule under those costs and keeps it only if its predicted bubble is lower than the
+2. reduces them on each rank to one median time per kind **and stage**, per V chunk of layers (a
+   looped stage holds two chunks' worth of layers: its times are halved), and measures one message
+   (a ring exchange of an activation over the pipeline group);
+3. shares the per-stage table with every rank (an all-reduce, MAX, over the default group: each
+   stage is measured by the rank that holds it; data-parallel replicas take the slowest), so every
+   rank holds the same costs and builds the identical schedule at the same iteration;
+4. takes f, b and w as the medians over the stages that measured all three (:func:`typical_chunk`):
+   the ratios of a typical chunk, each from the same stages. The first stage (embedding) and the last
+   (LM head and loss) are heavier; a maximum over ranks per kind (the rule before) took F from the LM
+   head's stage and B from plain layers, and built schedules for B at a quarter of F;
+5. rebuilds the schedule under those costs and keeps it only if its predicted bubble is lower than the
    current schedule's under the same costs (both numbers are reported).
 
-Only B passes whose W was deferred say what B alone costs; a B with its W right after it computed the
-whole backward and is left out (as is its empty W).
+What each cost includes: F is megatron's ``forward_step`` (the model chunk's forward; on the last
+stage also the loss) and handing the output to the p2p outbox, **less the time spent in
+``next(data_iterator)``** (batch loading, timed separately and reported as ``load``: it is not part
+of a chunk's layers and only the stages that read data pay it). B is ``backward_step`` with the
+weight gradients deferred (input gradients only, plus norms, embeddings and biases), W the deferred
+weight gradients. Only B passes whose W was deferred say what B alone costs; a B with its W right
+after it computed the whole backward and is left out (as is its empty W). No wait for a message
+is inside any of them (receives are waited for before the clock starts). ``comm`` is one
+activation message.
 """
 
 from __future__ import annotations
@@ -48,35 +60,78 @@ class ReplanPolicy:
 class PassClock:
     """Times passes without stalling the GPU: events are read once, at the end of the iteration."""
 
-    def __init__(self, cuda: bool):
+    def __init__(self, cuda: bool, loaders: list[TimedIterator] = ()):
         self._cuda = cuda
-        self._marks: list[tuple[Kind, float, object, object]] = []
+        self._loaders = list(loaders)  # the call's data iterators: their next() is batch loading
+        self._marks: list[tuple] = []
+
+    def _loaded(self) -> float:
+        return sum(loader.seconds for loader in self._loaders)
 
     def start(self):
         if self._cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            return event
-        return time.perf_counter()
+            return event, self._loaded()
+        return time.perf_counter(), self._loaded()
 
-    def stop(self, kind: Kind, scale: float, started) -> None:
+    def stop(self, kind: Kind, scale: float, started, stage: int = -1) -> None:
+        """Close the pass begun by :meth:`start`; the host seconds it spent loading batches are taken out."""
         if self._cuda:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
         else:
             ended = time.perf_counter()
-        self._marks.append((kind, scale, started, ended))
+        started, loaded = started
+        self._marks.append((kind, stage, scale, started, ended, self._loaded() - loaded))
 
-    def seconds(self) -> dict[Kind, list[float]]:
-        """Seconds per pass and kind, per V chunk of layers (synchronises on CUDA)."""
+    def seconds(self) -> dict[tuple[Kind, int], list[float]]:
+        """Seconds per pass, by (kind, stage), per V chunk of layers (synchronises on CUDA)."""
         if self._cuda and self._marks:
             torch.cuda.synchronize()
-        out: dict[Kind, list[float]] = {kind: [] for kind in Kind}
-        for kind, scale, start, end in self._marks:
+        out: dict[tuple[Kind, int], list[float]] = {}
+        for kind, stage, scale, start, end, loading in self._marks:
             elapsed = start.elapsed_time(end) / 1e3 if self._cuda else end - start
-            out[kind].append(elapsed / scale)
+            out.setdefault((kind, stage), []).append(max(elapsed - loading, 0.0) / scale)
+            if loading:
+                out.setdefault((LOAD, stage), []).append(loading)
         self._marks.clear()
         return out
+
+
+LOAD = "load"  # the key of batch-loading seconds in PassClock.seconds (per F pass that loaded)
+
+
+class TimedIterator:
+    """Wraps a data iterator and adds the seconds spent in ``next()`` to :attr:`seconds`."""
+
+    def __init__(self, iterator):
+        self._iterator = iterator
+        self.seconds = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self._iterator)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def __getattr__(self, name):  # megatron's RerunDataIterator and friends have more than __next__
+        return getattr(self._iterator, name)
+
+
+def timed_iterators(data_iterator) -> tuple[object, list[TimedIterator]]:
+    """``data_iterator`` (one, a list, or None) with every iterator wrapped; and the wrappers."""
+    if data_iterator is None:
+        return None, []
+    if isinstance(data_iterator, list):
+        wrapped = [TimedIterator(it) if it is not None else None for it in data_iterator]
+        return wrapped, [w for w in wrapped if w is not None]
+    wrapped = TimedIterator(data_iterator)
+    return wrapped, [wrapped]
 
 
 @dataclass(frozen=True)
@@ -84,12 +139,13 @@ class Replan:
     """What one re-planning decided (identical on every rank)."""
 
     after_iteration: int
-    measured_seconds: dict[str, float]  # f, b, w, comm: max over ranks
+    measured_seconds: dict[str, float]  # f, b, w (typical_chunk), comm, load (per loading F)
     costs: Costs  # relative to f = 1
     bubble_before: float  # the running schedule, under the measured costs
     bubble_after: float  # the rebuilt schedule, under the measured costs
     switched: bool
     fingerprint: str  # of the schedule that runs from now on
+    stage_seconds: tuple[tuple[float, float, float], ...] = ()  # (f, b, w) per stage; -1: not measured
 
     def line(self, schedule_name: str) -> str:
         c = self.costs
@@ -103,7 +159,8 @@ class Replan:
         return {"f": self.costs.f, "b": self.costs.b, "w": self.costs.w, "comm": self.costs.comm,
                 "seconds": self.measured_seconds, "after_iteration": self.after_iteration,
                 "bubble_before": self.bubble_before, "bubble_after": self.bubble_after,
-                "switched": self.switched, "fingerprint": self.fingerprint}
+                "switched": self.switched, "fingerprint": self.fingerprint,
+                "stage_seconds": [list(row) for row in self.stage_seconds]}
 
 
 def fingerprint(schedule: Schedule) -> str:
@@ -116,23 +173,28 @@ class CostProfile:
 
     policy: ReplanPolicy
     training_calls: int = 0
-    samples: dict[Kind, list[float]] = field(default_factory=lambda: {kind: [] for kind in Kind})
+    samples: dict[tuple, list[float]] = field(default_factory=dict)  # (kind or LOAD, stage) -> seconds
     done: bool = False
 
     def measuring(self) -> bool:
         """Whether the training call about to run is timed (the first one is the warm-up)."""
         return not self.done and 1 <= self.training_calls <= self.policy.iterations
 
-    def add(self, seconds: dict[Kind, list[float]]) -> None:
-        for kind, values in seconds.items():
-            self.samples[kind].extend(values)
+    def add(self, seconds: dict[tuple, list[float]]) -> None:
+        for key, values in seconds.items():
+            self.samples.setdefault(key, []).extend(values)
 
     def due(self) -> bool:
         return not self.done and self.training_calls == self.policy.iterations + 1
 
-    def local_medians(self) -> list[float]:
-        """[f, b, w] medians on this rank; -1 where this rank saw no such pass (max() ignores it)."""
-        return [statistics.median(self.samples[k]) if self.samples[k] else -1.0 for k in (Kind.F, Kind.B, Kind.W)]
+    def local_table(self, num_stages: int) -> list[float]:
+        """(f, b, w) medians per stage, flat, then the median batch loading; -1 where this rank saw none."""
+        def median(key):
+            values = self.samples.get(key)
+            return statistics.median(values) if values else -1.0
+        loads = [v for (kind, _), values in self.samples.items() if kind == LOAD for v in values]
+        table = [median((kind, stage)) for stage in range(num_stages) for kind in (Kind.F, Kind.B, Kind.W)]
+        return [*table, statistics.median(loads) if loads else -1.0]
 
 
 def measure_comm(pp_group, shape, dtype, device, repeats: int = 5) -> float:
@@ -157,12 +219,26 @@ def measure_comm(pp_group, shape, dtype, device, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def agree_on_costs(local: list[float], comm: float, device) -> dict[str, float]:
-    """Max over every rank of the world (one all-reduce), so all ranks decide the same thing."""
+def agree_on_costs(local: list[float], comm: float, device) -> tuple[dict[str, float], tuple]:
+    """The per-stage table of every rank, merged by one all-reduce (MAX: a stage's own rank measured
+    it, the others sent -1), so all ranks decide the same thing; then :func:`typical_chunk`."""
     values = torch.tensor([*local, comm], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
-    f, b, w, c = values.tolist()
-    return {"f": f, "b": b, "w": w, "comm": c}
+    *flat, load, c = values.tolist()
+    stages = tuple(tuple(flat[i:i + 3]) for i in range(0, len(flat), 3))
+    return {**typical_chunk(stages), "comm": c, "load": load}, stages
+
+
+def typical_chunk(stages) -> dict[str, float]:
+    """f, b, w seconds: medians over the stages that measured all three (ratios from the same stages);
+    when none did (no deferred W ran), each kind's median over the stages that measured it."""
+    complete = [row for row in stages if min(row) > 0]
+    rows = complete or stages
+
+    def median(i):
+        values = [row[i] for row in rows if row[i] > 0]
+        return statistics.median(values) if values else -1.0
+    return {"f": median(0), "b": median(1), "w": median(2)}
 
 
 def relative_costs(seconds: dict[str, float], fallback: Costs) -> Costs:
@@ -176,13 +252,14 @@ def relative_costs(seconds: dict[str, float], fallback: Costs) -> Costs:
 
 
 def decide(current: Schedule, rebuilt: Schedule, costs: Costs, after_iteration: int,
-           seconds: dict[str, float]) -> tuple[Replan, Schedule]:
+           seconds: dict[str, float], stage_seconds: tuple = ()) -> tuple[Replan, Schedule]:
     """Keep whichever of the two schedules has the lower predicted bubble under the measured costs."""
     before = simulate(current, costs).bubble_rate
     after = simulate(rebuilt, costs).bubble_rate
     switched = after < before - 1e-9
     chosen = rebuilt if switched else current
-    return Replan(after_iteration, seconds, costs, before, after, switched, fingerprint(chosen)), chosen
+    replan = Replan(after_iteration, seconds, costs, before, after, switched, fingerprint(chosen), stage_seconds)
+    return replan, chosen
 
 
 def write_costs(path: Path, replan: Replan, schedule_name: str, num_devices: int, num_microbatches: int) -> None:

@@ -15,19 +15,26 @@ Policy: **one global order of pairwise rendezvous.**
   *slot*, exchanged in the channel's send order at the moment its sender has produced it. Sorting
   every pass and every slot by simulated time gives one global order G; each rank's program is its
   own subsequence of G. A slot is posted as one batch on the pair's communicator (its send on one
-  side, its receive on the other) and waited for before anything else is issued; slots that are
-  adjacent in *both* partners' subsequences are fused into one batch (a send and a receive posted
-  together, as Megatron's ``send_forward_recv_backward``), which is the same as moving them next
-  to each other in G.
+  side, its receive on the other); slots that are adjacent in *both* partners' subsequences are
+  fused into one batch (a send and a receive posted together, as Megatron's
+  ``send_forward_recv_backward``), which is the same as moving them next to each other in G.
+* Waits are as late as allowed (:func:`_emit`): a receiving batch right before the first pass that
+  consumes it, a send-only batch one pass later (at the next receive-wait). Posting stays in G
+  order; only the waits move. On gloo a wait blocks the host, so a sender no longer stops until a
+  busy receiver reaches the slot, and a receiver still runs the passes that do not need the
+  message. On NCCL a wait only orders the streams.
 
 Why it cannot deadlock, on one in-order queue per rank (``CUDA_DEVICE_MAX_CONNECTIONS=1``) or on
-many: take the earliest unfinished event of G. Every earlier event is finished, and each rank
-issues its events in G order with nothing else outstanding, so the event is at the head of every
-queue it is in and every stream dependency it has points to an earlier (finished) event. A pass
-then runs; a batch then runs on both of its ranks at once, and NCCL pairs the n-th send with the
-n-th receive of each channel, which both sides posted in the same G order: the receive gets the
-message it expects, by construction. By induction every event finishes. Only one NCCL operation is
-ever outstanding per rank, so a receive never sits in the queue in front of compute.
+many: take the earliest unfinished event of G. Every earlier event is finished. Each rank issues
+its events in G order, so every queue holds them in G order and the event is at the head of every
+queue it is in; its stream dependencies (a POST on the compute issued before it, a pass on the
+compute and wait markers before it, a wait marker on an earlier POST) all point to earlier events,
+finished. A pass then runs; a batch then runs on both of its ranks at once, and NCCL pairs the n-th
+send with the n-th receive of each channel, which both sides posted in the same G order: the
+receive gets the message it expects, by construction. By induction every event finishes. A
+receive is posted no earlier than its place in G, so on one queue it never sits in front of
+compute its peer needs first (posting the next step's receives early, the old receive window, does
+exactly that, and the NCCL model shows it hanging).
 
 The receiving side labels its n-th receive of a channel with ``plan.recv_order[peer][n]`` (the
 lowering's contract), the sending side with its n-th send; they agree on every correct plan, and
@@ -130,8 +137,13 @@ class _Event(NamedTuple):
     n: int = 0
 
 
-def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs()) -> tuple[tuple[Op, ...], ...]:
-    """The per-iteration program of every rank (see the module docstring)."""
+def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
+                      eager_waits: bool = False) -> tuple[tuple[Op, ...], ...]:
+    """The per-iteration program of every rank (see the module docstring).
+
+    ``eager_waits`` waits for every batch right after posting it (the policy before waits moved
+    late: one operation outstanding per rank); kept to measure what the late waits buy.
+    """
     sends = _send_orders(plans)
     _check_channels(plans, sends)
     starts, slot_times = _timed_run(plans, sends, costs)
@@ -145,7 +157,7 @@ def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs()) -> tu
         if not event.is_pass:
             sequences[event.b].append(event)
     batches = _fuse(sequences)
-    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends) for rank in range(len(plans)))
+    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, eager_waits) for rank in range(len(plans)))
 
 
 def _send_orders(plans) -> dict[tuple[int, int], list[Message]]:
@@ -231,22 +243,48 @@ def _fuse(sequences) -> dict[_Event, int]:
     return batches
 
 
-def _emit(rank, sequence, batches, plan: DevicePlan, sends) -> tuple[Op, ...]:
+def _emit(rank, sequence, batches, plan: DevicePlan, sends, eager_waits: bool = False) -> tuple[Op, ...]:
+    """This rank's operations: each batch POSTed at its place in G; its WAIT as late as allowed.
+
+    A batch that receives is waited for right before the first pass that consumes one of its
+    messages; a batch that only sends, before the first receive-wait after the pass that follows it
+    (one pass of slack: the sender does not stop for a receiver that is still busy, and the sent
+    tensors are not kept alive longer than a pass or so); whatever is left, at the end.
+    """
     ops: list[Op] = []
     current: list[Transfer] = []
     current_batch = None
+    unwaited: dict[int, bool] = {}  # POST position -> it receives; in post order
+    receiving: dict[Message, int] = {}  # received message -> its POST position
+    aged: list[int] = []  # send-only POSTs with a pass issued after them
 
     def close():
         if current:
             src, dst = current[0].src, current[0].dst
             ops.append(Op(OpKind.POST, Comm.of(PAIR_GROUP, src, dst), tuple(current)))
-            ops.append(Op(OpKind.WAIT, index=len(ops) - 1))
+            position = len(ops) - 1
+            unwaited[position] = any(t.dst == rank for t in current)
+            receiving.update((t.message, position) for t in current if t.dst == rank)
             current.clear()
+            if eager_waits:
+                wait(position)
+
+    def wait(position):
+        if unwaited.pop(position, None) is not None:
+            ops.append(Op(OpKind.WAIT, index=position))
 
     for event in sequence:
         if event.is_pass:
             close()
             current_batch = None
+            needed = sorted({receiving[m] for m in plan.steps[event.b].recvs if receiving.get(m) in unwaited})
+            if needed:
+                for position in aged:
+                    wait(position)
+                aged.clear()
+                for position in needed:
+                    wait(position)
+            aged.extend(p for p, receives in unwaited.items() if not receives and p not in aged)
             ops.append(Op(OpKind.COMPUTE, index=event.b))
             continue
         src, dst, n = event.a, event.b, event.n
@@ -256,4 +294,6 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends) -> tuple[Op, ...]:
         message = sends[(src, dst)][n] if src == rank else plan.recv_order[src][n]
         current.append(Transfer(src, dst, message))
     close()
+    for position in list(unwaited):
+        wait(position)
     return tuple(ops)

@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from megatron_vshape.schedules import SCHEDULES, DevicePlan, get_schedule, lower, schedule_names
+from megatron_vshape.schedules import SCHEDULES, Costs, DevicePlan, get_schedule, lower, schedule_names
 from megatron_vshape.schedules.comm import CommError
 from megatron_vshape.schedules.exchange import (
     Comm,
@@ -69,15 +69,51 @@ def test_v_auto_is_nccl_safe(d):
         check_exchange(_plans("v-auto", d, m), single_queue=(True, False))
 
 
-def test_one_operation_outstanding_and_every_step_in_order():
+def test_every_step_in_order_and_every_post_waited_once_before_its_message_is_used():
     for name in ("v-half", "zb-2p", "interleaved-1f1b"):
         plans = _plans(name, 4, 8)
         for rank, program in enumerate(exchange_programs(plans)):
             steps = [op.index for op in program if op.kind is OpKind.COMPUTE]
             assert steps == list(range(len(plans[rank].steps)))
-            for position, op in enumerate(program):
-                if op.kind is OpKind.POST:  # waited for before anything else is issued
-                    assert program[position + 1] == Op(OpKind.WAIT, index=position)
+            posts = [i for i, op in enumerate(program) if op.kind is OpKind.POST]
+            waits = [op.index for op in program if op.kind is OpKind.WAIT]
+            assert sorted(waits) == posts
+            waited: set = set()
+            for op in program:
+                if op.kind is OpKind.WAIT:
+                    waited.update(t.message for t in program[op.index].transfers if t.dst == rank)
+                elif op.kind is OpKind.COMPUTE:
+                    assert set(plans[rank].steps[op.index].recvs) <= waited, (rank, op)
+
+
+def test_eager_waits_keep_one_operation_outstanding():
+    plans = _plans("v-half", 4, 8)
+    for program in exchange_programs(plans, eager_waits=True):
+        for position, op in enumerate(program):
+            if op.kind is OpKind.POST:  # waited for before anything else is issued
+                assert program[position + 1] == Op(OpKind.WAIT, index=position)
+    check_exchange(plans)
+
+
+def test_waits_move_late_but_posts_keep_their_order():
+    """The late waits change only where WAITs sit: the POSTs and passes are the eager program's."""
+    for name in ("v-zb", "1f1b"):
+        plans = _plans(name, 4, 8)
+        late, eager = exchange_programs(plans), exchange_programs(plans, eager_waits=True)
+        for a, b in zip(late, eager):
+            assert [op for op in a if op.kind is not OpKind.WAIT] == [op for op in b if op.kind is not OpKind.WAIT]
+        assert late != eager
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-2p", "v-min", "v-half", "v-zb", "interleaved-1f1b"])
+def test_programs_from_measured_costs_are_nccl_safe(name):
+    """Costs as a CPU run measures them (B > F > W, a message > 0): the global order G changes with them."""
+    for costs in (Costs(f=1.0, b=1.45, w=0.55, comm=0.08), Costs(f=1.0, b=0.6, w=0.35, comm=0.3)):
+        for d, m in ((2, 8), (3, 6), (4, 8)):
+            if SCHEDULES[name].min_microbatches(d) == d and m % d:
+                continue
+            plans = lower(get_schedule(name, d, m, costs))
+            check_exchange(plans, single_queue=(True, False), costs=costs)
 
 
 def test_each_channel_is_posted_in_send_order_on_both_sides():

@@ -1,7 +1,18 @@
 """The pure parts of re-planning from measured costs (runtime.replan): when it measures, how it
 turns seconds into costs, and that it never switches to a schedule predicted to be worse."""
 
-from megatron_vshape.runtime.replan import CostProfile, PassClock, ReplanPolicy, decide, relative_costs
+import time
+
+from megatron_vshape.runtime.replan import (
+    LOAD,
+    CostProfile,
+    PassClock,
+    ReplanPolicy,
+    TimedIterator,
+    decide,
+    relative_costs,
+    typical_chunk,
+)
 from megatron_vshape.schedules import Costs, Kind, get_schedule, simulate
 
 
@@ -17,10 +28,35 @@ def test_profile_skips_one_warm_up_then_measures_then_is_due_once():
     assert seen == [(False, False), (True, False), (True, False), "replan", (False, False), (False, False)]
 
 
-def test_local_medians_mark_unseen_kinds_for_the_max_over_ranks():
+def test_local_table_marks_unseen_stages_and_kinds_for_the_max_over_ranks():
     profile = CostProfile(ReplanPolicy())
-    profile.add({Kind.F: [3.0, 1.0, 2.0], Kind.B: [], Kind.W: [0.5]})
-    assert profile.local_medians() == [2.0, -1.0, 0.5]
+    profile.add({(Kind.F, 1): [3.0, 1.0, 2.0], (Kind.W, 1): [0.5], (LOAD, 1): [0.25]})
+    assert profile.local_table(2) == [-1.0, -1.0, -1.0, 2.0, -1.0, 0.5, 0.25]
+
+
+def test_typical_chunk_takes_every_ratio_from_the_same_stages():
+    """The embedding stage and the LM-head stage are heavy; the head's B was never deferred. A maximum
+    per kind (the old rule) gave f = 5 against b = 1.5: B at 0.3 of F, which no layer has."""
+    stages = ((3.0, 1.5, 1.0), (1.0, 1.0, 0.5), (1.2, 1.1, 0.6), (5.0, -1.0, -1.0))
+    assert typical_chunk(stages) == {"f": 1.2, "b": 1.1, "w": 0.6}
+    assert typical_chunk(((2.0, -1.0, -1.0), (4.0, -1.0, -1.0))) == {"f": 3.0, "b": -1.0, "w": -1.0}
+
+
+def test_batch_loading_is_timed_apart_from_the_forward():
+    def slow_batches():
+        while True:
+            time.sleep(0.05)
+            yield 1
+
+    loader = TimedIterator(slow_batches())
+    clock = PassClock(cuda=False, loaders=[loader])
+    started = clock.start()
+    next(loader)
+    time.sleep(0.01)
+    clock.stop(Kind.F, 1.0, started, stage=0)
+    seconds = clock.seconds()
+    (forward,), (load,) = seconds[(Kind.F, 0)], seconds[(LOAD, 0)]
+    assert load >= 0.05 and 0.01 <= forward < 0.05
 
 
 def test_relative_costs_scale_to_f_and_keep_the_fallback_ratio_when_unseen():
@@ -31,7 +67,7 @@ def test_relative_costs_scale_to_f_and_keep_the_fallback_ratio_when_unseen():
 def test_cpu_clock_divides_by_the_layer_scale():
     clock = PassClock(cuda=False)
     clock.stop(Kind.F, 2.0, clock.start())
-    (value,) = clock.seconds()[Kind.F]
+    (value,) = clock.seconds()[(Kind.F, -1)]
     assert 0 <= value < 1.0
 
 
