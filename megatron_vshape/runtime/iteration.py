@@ -30,6 +30,7 @@ from . import compat
 from .active_stage import running_stage
 from .p2p import PlanExchange, local_device
 from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
+from .timeline import Category
 from .watchdog import Progress
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ class Iteration:
         last_backward = {} if tied_local else _last_backward_step(self.plan, self.placement)
         first_forward = _first_forward_step(self.plan, self.placement)
         timeline = [] if self.executor.record_timeline else None
+        spans = exchange.timeline = self.executor.current_timeline  # where the wall time goes (timeline.py)
         self.clock = clock = self.executor.pass_clock(self.forward_only)
         with _GradSyncControl(self.config, self.models, enabled=not self.forward_only) as grad_sync:
             for index, step in enumerate(self.plan.steps):
@@ -149,11 +151,15 @@ class Iteration:
                 exchange.advance(index)  # the sends and receives the p2p program posts before this step
                 self._receive(step, exchange)
                 progress.at("a pass", index, str(step.action))
+                if spans is not None:
+                    spans.mark(Category.BOOKKEEPING)
                 start = time.perf_counter()
                 timed = clock.start() if clock is not None and self._tells_cost(step.action) else None
                 self._run(step.action, exchange, step)
+                if spans is not None:
+                    spans.mark(Category(step.action.kind.value), str(step.action))
                 if timed is not None:
-                    clock.stop(step.action.kind, self.placement.layer_scale, timed)
+                    clock.stop(step.action.kind, self.placement.layer_scale, timed, step.action.stage)
                 if timeline is not None:
                     timeline.append((step.action, start, time.perf_counter()))
                 progress.finished(str(step.action))
@@ -175,7 +181,11 @@ class Iteration:
         self._check_drained()
         if not self.forward_only:
             progress.at("the gradient reduction (finalize_model_grads)")
+            if spans is not None:
+                spans.mark(Category.BOOKKEEPING)
             self._finalize_grads()
+            if spans is not None:
+                spans.mark(Category.GRAD_SYNC)
         return [item for mb in sorted(self.data_store) for item in self.data_store[mb]]
 
     def _tells_cost(self, action: Action) -> bool:
