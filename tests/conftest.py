@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from core_versions import other_minor, require_interpreter
 from hypothesis import HealthCheck, settings
 
 # Property tests draw the same examples on every run (derandomized), so the suite's time and
@@ -40,10 +41,23 @@ def no_split():
     yield from _wgrad_split_set_to(False)
 
 
+@pytest.fixture(scope="session")
+def mc19_python() -> str:
+    """An interpreter with megatron-core 0.19.x (megatron.training): this one, or $VSHAPE_MC19_PYTHON."""
+    return require_interpreter("0.19")
+
+
+@pytest.fixture(scope="session")
+def other_core_python() -> str:
+    """An interpreter with the supported megatron-core version this one lacks ($VSHAPE_MC16_PYTHON or
+    $VSHAPE_MC19_PYTHON), for the checks that must hold on both."""
+    return require_interpreter(other_minor())
+
+
 # The longest files of a CI run (each 1.5-5 minutes of a 2-core machine: Megatron training launches,
 # the full-size Slurm schedules), longest first. Only an ordering hint: a file not listed still runs.
 LONGEST_FILES = ("megatron/test_real_client.py", "megatron/test_pretrain_cpu.py", "runtime/test_executor_exact.py",
-                 "megatron/test_slurm.py", "runtime/test_megatron_019.py")
+                 "megatron/test_slurm.py", "runtime/test_other_megatron_core.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

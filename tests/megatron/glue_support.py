@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Collection
@@ -19,7 +18,6 @@ import pytest
 from megatron_vshape.testing.spawn import PORT_CLASH, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MC19 = Path("/opt/venv-mc19/bin/python")
 
 
 def _has_megatron_training() -> bool:
@@ -27,14 +25,6 @@ def _has_megatron_training() -> bool:
         return importlib.util.find_spec("megatron.training") is not None
     except ModuleNotFoundError:
         return False
-
-
-def mc19_python_or_none() -> str | None:
-    """An interpreter with megatron.training (megatron-core 0.19.x): this one, $VSHAPE_MC19_PYTHON, or the venv."""
-    if _has_megatron_training():
-        return sys.executable
-    candidate = os.environ.get("VSHAPE_MC19_PYTHON") or (str(DEFAULT_MC19) if DEFAULT_MC19.exists() else None)
-    return candidate
 
 
 def cpu_env(**extra: str) -> dict[str, str]:

@@ -19,9 +19,10 @@ def test_mix_seed_is_deterministic_and_separates_its_inputs():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("python", ["system", "mc19"])
+@pytest.mark.parametrize("python", ["installed", "other"])
 def test_masks_and_weights_depend_only_on_position(python, request):
-    exe = sys.executable if python == "system" else request.getfixturevalue("mc19_python")
+    """On the megatron-core of this interpreter and on the other supported version."""
+    exe = sys.executable if python == "installed" else request.getfixturevalue("other_core_python")
     result = subprocess.run([exe, str(ROOT / "tests" / "megatron" / "dropout_check.py")], capture_output=True,
                             text=True, timeout=110, env=cpu_env())
     assert result.returncode == 0, result.stderr[-4000:]

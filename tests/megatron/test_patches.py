@@ -1,16 +1,42 @@
 """The table of Megatron attributes megatron-vshape replaces matches the megatron-core it runs on, and a
 changed signature stops start-up with one line naming the attribute and the tested versions."""
 
+import json
 import subprocess
 import textwrap
 
 import pytest
+from core_versions import installed_minor
 from glue_support import ROOT, cpu_env
 
 from megatron_vshape.megatron import patches
-from megatron_vshape.megatron.patches import PATCHES, Group, PatchError, check, problem
+from megatron_vshape.megatron.patches import PATCHES, TESTED_VERSIONS, Group, PatchError, check, problem
 
-CORE_ONLY = tuple(p for p in PATCHES if p.module.startswith("megatron.core"))  # 0.16.1 has no megatron.training
+# 0.16.1 has no megatron.training, and no HybridModel (megatron.core.models.hybrid; used through megatron.training).
+CORE_ONLY = tuple(p for p in PATCHES if p.module.startswith("megatron.core") and p.group is not Group.HYBRID)
+
+# The table's entries that apply to one interpreter's megatron-core (0.16.x has no megatron.training), and
+# what the table says of each: None where the attribute matches.
+TABLE_PROBLEMS = textwrap.dedent("""
+    import importlib.util, json
+    import megatron.core
+    from megatron_vshape.megatron.patches import PATCHES, problem
+    training = importlib.util.find_spec("megatron.training") is not None
+    if training:
+        from megatron_vshape.megatron.training_cpu import require_megatron_training
+        require_megatron_training()  # its Python 3.11 bridge (typing.override) first, as every entry does
+    rows = [p for p in PATCHES if training or p.module.startswith("megatron.core") and p.group.value != "hybrid"]
+    print("RESULT" + json.dumps({"version": megatron.core.__version__, "training": training,
+                                 "rows": [[p.module, p.attribute, problem(p)] for p in rows]}))
+""")
+
+
+def _table_problems(python: str) -> dict:
+    result = subprocess.run([python, "-c", TABLE_PROBLEMS], capture_output=True, text=True, timeout=200, cwd=ROOT,
+                            env=cpu_env())
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT")]
+    assert result.returncode == 0 and lines, result.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT"):])
 
 
 def _changed_first_stage(ignore_virtual=True, vp_stage=None, pp_group=None):
@@ -20,9 +46,26 @@ def _changed_first_stage(ignore_virtual=True, vp_stage=None, pp_group=None):
 def test_table_matches_the_installed_megatron_core():
     import megatron.core
 
-    assert megatron.core.__version__.startswith("0.16")
-    assert len(CORE_ONLY) >= 8
-    assert [(p.module, p.attribute, problem(p)) for p in CORE_ONLY] == [(p.module, p.attribute, None) for p in CORE_ONLY]
+    assert megatron.core.__version__.split("+")[0] in TESTED_VERSIONS, megatron.core.__version__
+    rows = CORE_ONLY  # 0.16.x has no megatron.training
+    if installed_minor() == "0.19":
+        from megatron_vshape.megatron.training_cpu import require_megatron_training
+
+        require_megatron_training()  # its Python 3.11 bridge (typing.override) first, as every entry does
+        rows = PATCHES
+    assert len(rows) >= 8
+    assert [(p.module, p.attribute, problem(p)) for p in rows] == [(p.module, p.attribute, None) for p in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_table_matches_the_other_supported_megatron_core(other_core_python):
+    """The same check on the tested version this interpreter does not have (VSHAPE_MC16_PYTHON or
+    VSHAPE_MC19_PYTHON): every applicable entry matches there too."""
+    table = _table_problems(other_core_python)
+    assert table["version"].split("+")[0] in TESTED_VERSIONS and table["version"][:4] != installed_minor(), table["version"]
+    assert table["training"] == table["version"].startswith("0.19")
+    assert len(table["rows"]) >= 8 and all(problem is None for _, _, problem in table["rows"]), table["rows"]
 
 
 def test_a_changed_megatron_signature_fails_with_one_line(monkeypatch):
@@ -48,7 +91,7 @@ def test_a_missing_attribute_is_named(monkeypatch):
 
 MC19 = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, "tests/megatron")
+    sys.path[:0] = ["tests/megatron", "tests"]
     from megatron_vshape.megatron.training_cpu import require_megatron_training
     require_megatron_training()
     from megatron_vshape.megatron.patches import PATCHES, problem

@@ -4,14 +4,14 @@ import subprocess
 import sys
 
 import pytest
-from glue_support import ROOT, _has_megatron_training, cpu_env
+from core_versions import require_interpreter
+from glue_support import ROOT, cpu_env
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
 
-def run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=cpu_env())
+def run(*args, python: str = sys.executable):
+    return subprocess.run([python, *args], capture_output=True, text=True, timeout=120, cwd=ROOT, env=cpu_env())
 
 
 def test_missing_script_is_one_line_and_exit_2():
@@ -22,15 +22,18 @@ def test_missing_script_is_one_line_and_exit_2():
         "no such script: no/such/pretrain_gpt.py"]
 
 
-def test_entry_points_name_the_megatron_core_they_need():
-    """Without megatron.training (megatron-core < 0.19) both entry points say so in one line."""
-    if _has_megatron_training():  # megatron-core 0.19.x here: the import gate must let it through
-        from megatron_vshape.megatron.training_cpu import require_megatron_training
-
-        assert require_megatron_training().__name__ == "megatron.training"
+@pytest.mark.parametrize("minor", ["0.16", "0.19"])
+def test_entry_points_name_the_megatron_core_they_need(minor):
+    """Without megatron.training (megatron-core < 0.19) both entry points say so in one line; with it, the
+    import gate lets it through."""
+    python = require_interpreter(minor)
+    if minor == "0.19":
+        gate = "from megatron_vshape.megatron.training_cpu import require_megatron_training as r; print(r().__name__)"
+        result = run("-c", gate, python=python)
+        assert result.returncode == 0 and result.stdout.split() == ["megatron.training"], result.stderr[-3000:]
         return
     for args in (["scripts/pretrain_gpt.py", "--cpu"], ["-m", "megatron_vshape.run", "scripts/pretrain_gpt.py"]):
-        result = run(*args)
+        result = run(*args, python=python)
         errors = [ln for ln in result.stderr.splitlines() if ln.startswith("megatron-vshape error:")]
         assert result.returncode == 2 and len(errors) == 1 and "megatron-core >= 0.19" in errors[0]
 
