@@ -192,8 +192,9 @@ def effective(args, dest: str):
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Apply --cpu's settings and unmark the defaults add_arguments marked. Idempotent."""
     # These modules import this one's flags and defaults, so not at the top.
+    from . import hybrid_layout
     from .feature_checks import uses_split_spec
-    from .sizes import schedule_of
+    from .sizes import schedule_of, splits_backward
 
     cpu = getattr(args, "cpu", False)
     for dest in CPU_DEFAULTS:
@@ -208,7 +209,10 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         # Megatron builds two model chunks per rank (vp_stage 0 and 1); install() gives them V layers.
         args.num_virtual_stages_per_pipeline_rank = 2
     layout.apply(args)  # uneven --pipeline-layout: Megatron's own layout flag (2 chunks follow from it)
-    if uses_split_spec(args):
+    if hybrid_layout.is_hybrid(args):
+        # HybridModel: torch layers on CPU, megatron's linears for a split schedule on TE (hybrid_spec).
+        args.spec = hybrid_layout.spec_arg(args, splits_backward(schedule_of(args)))
+    elif uses_split_spec(args):
         # TE's linears would keep W in B: megatron's linears with TE attention and norms instead
         # (megatron_vshape.megatron.layer_spec), through Megatron's own --spec.
         args.spec = list(SPLIT_SPEC_ARG)

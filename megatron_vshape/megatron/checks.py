@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable
 
 from ..schedules import SCHEDULES
-from . import layout
+from . import hybrid_layout, layout
 from .arguments import (
     AUTO_SCHEDULE,
     MEGATRON_OWN_SCHEDULES,
@@ -86,6 +86,8 @@ def check_v_layers(args, sizes) -> str | None:
     name = schedule_of(args)
     if name not in V_SCHEDULE_NAMES or getattr(args, "num_layers", None) is None or layout.requested(args):
         return None
+    if hybrid_layout.is_hybrid(args):  # the pattern sets the layers (check_pipeline_layout checks it)
+        return None
     total, chunks = accounted_layers(args), 2 * sizes.pp
     if total % chunks:
         counted = "" if total == args.num_layers else f" (+{total - args.num_layers} for embedding/loss = {total})"
@@ -131,7 +133,7 @@ def check_single_chunk_flags(args, sizes) -> str | None:
 
 
 def check_interleaved_has_chunks(args, sizes) -> str | None:
-    if schedule_of(args) != "interleaved-1f1b":
+    if schedule_of(args) != "interleaved-1f1b" or hybrid_layout.is_hybrid(args):  # HybridModel: the '|' segments
         return None
     if not any(getattr(args, d, None) for d in (
             "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",

@@ -175,7 +175,7 @@ def attach(models) -> int:
         for module in _unwrap(model).modules():
             if getattr(module, _HOOKED, False):
                 continue
-            if isinstance(module, TransformerLayer):
+            if isinstance(module, TransformerLayer) or _is_mamba_layer(module):
                 layer = int(module.layer_number)
             elif isinstance(module, LanguageModelEmbedding):
                 layer = _EMBEDDING_LAYER
@@ -185,6 +185,21 @@ def attach(models) -> int:
             setattr(module, _HOOKED, True)
             hooked += 1
     return hooked
+
+
+def _hybrid_classes():
+    """(HybridStack, MambaLayer) of megatron-core's HybridModel, or None where megatron-core has none."""
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack
+        from megatron.core.ssm.mamba_layer import MambaLayer
+    except ImportError:
+        return None
+    return HybridStack, MambaLayer
+
+
+def _is_mamba_layer(module) -> bool:
+    hybrid = _hybrid_classes()
+    return hybrid is not None and isinstance(module, hybrid[1])
 
 
 class InvariantDropout:
@@ -256,6 +271,21 @@ def invariant_init(seed: int, tp_rank: int):
         stream(_AFTER_DECODER)  # what GPTModel builds next (the output layer) gets its own stream
 
     replacements = {TransformerLayer: layer_init, LanguageModelEmbedding: embedding_init, TransformerBlock: block_init}
+    hybrid = _hybrid_classes()
+    if hybrid is not None:  # HybridModel: its stack ends the decoder; Mamba layers get their layer's stream
+        stack, mamba = hybrid
+        originals.update({stack: stack.__init__, mamba: mamba.__init__})
+        mamba_signature = inspect.signature(mamba.__init__)
+
+        def stack_init(self, *args, **kwargs):
+            originals[stack](self, *args, **kwargs)
+            stream(_AFTER_DECODER)
+
+        def mamba_init(self, *args, **kwargs):  # HybridStack passes the global layer number
+            stream(int(mamba_signature.bind(self, *args, **kwargs).arguments.get("layer_number", 1)))
+            originals[mamba](self, *args, **kwargs)
+
+        replacements.update({stack: stack_init, mamba: mamba_init})
     try:
         for cls, func in replacements.items():
             cls.__init__ = functools.wraps(originals[cls])(func)

@@ -110,28 +110,29 @@ def split_layer_spec_from_args(args):
     )
 
 
-class _SpecFromTrainingArgs(ModuleSpec):
-    """The split spec for megatron.training's arguments, built on first use (they are parsed by then).
+class SpecFromTrainingArgs(ModuleSpec):
+    """A spec for megatron.training's arguments, built on first use (they are parsed by then).
 
     Megatron's ``import_module(args.spec)`` reads a module attribute (``vars(module)[name]``) and
     Megatron-LM's builders pass it to GPTModel as the layer ModuleSpec itself, so the attribute must be
     a ModuleSpec that exists at import time, before the arguments are known: its fields are filled
-    from :func:`split_layer_spec_from_args` the first time one is read.
+    from ``build(args)`` (default :func:`split_layer_spec_from_args`) the first time one is read.
     """
 
-    def __init__(self) -> None:  # no fields yet: they are filled on first access
-        pass
+    def __init__(self, build=None) -> None:  # no fields yet: they are filled on first access
+        object.__setattr__(self, "_build", build or split_layer_spec_from_args)
 
     def __getattribute__(self, name: str):
         # ModuleSpec's fields have class-level defaults, so __getattr__ would never see them.
         if name in _SPEC_FIELDS and name not in object.__getattribute__(self, "__dict__"):
             from megatron.training import get_args
 
-            built = split_layer_spec_from_args(get_args())
+            built = object.__getattribute__(self, "_build")(get_args())
             for field_name in _SPEC_FIELDS:
                 object.__setattr__(self, field_name, getattr(built, field_name))
         return object.__getattribute__(self, name)
 
 
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(ModuleSpec))
-gpt_split_layer_spec = _SpecFromTrainingArgs()
+_SpecFromTrainingArgs = SpecFromTrainingArgs  # the name tests/test_te_wiring.py uses
+gpt_split_layer_spec = SpecFromTrainingArgs()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ..schedules import SCHEDULES, PlacementKind
 from ..schedules.stage_layout import BALANCED, FLAG, format_layout, parse_layout
+from . import hybrid_layout
 
 UNIFORM = "uniform"
 # Megatron's own ways of splitting layers unevenly; they do not know the V placement, and Megatron
@@ -54,6 +55,8 @@ def num_stages(args, pp: int) -> int:
 
 def check(args, pp: int) -> str | None:
     """Flag combinations and explicit counts (cheap); ``balanced`` is resolved by :func:`resolve`."""
+    if hybrid_layout.is_hybrid(args):  # HybridModel: the stages are the pattern's '|' segments
+        return hybrid_layout.check(args, pp)
     if not requested(args):
         return None
     text = args.pipeline_layout.strip()
@@ -82,7 +85,7 @@ def check(args, pp: int) -> str | None:
 
 def resolve(args, pp: int, num_microbatches: int) -> str | None:
     """Choose the ``balanced`` counts (the planner simulates the schedule); None when all is well."""
-    if not requested(args) or hasattr(args, _RESOLVED):
+    if not requested(args) or hasattr(args, _RESOLVED) or hybrid_layout.is_hybrid(args):
         return None
     try:
         model = planner_model(args)
@@ -131,7 +134,11 @@ def stage_works(args, layers):
 
 
 def apply(args) -> None:
-    """Hand uneven counts to Megatron as its own layout (before Megatron's validate_args)."""
+    """Hand uneven counts to Megatron as its own layout (before Megatron's validate_args); on HybridModel
+    as the pattern's '|' segments (:func:`hybrid_layout.apply`)."""
+    if hybrid_layout.is_hybrid(args):
+        hybrid_layout.apply(args)
+        return
     layers = counts(args)
     if layers is None:
         return

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from . import layout
+from . import hybrid_layout, layout
 from .arguments import (
     V_SCHEDULE_NAMES,
     ConfigError,
@@ -151,7 +151,16 @@ def wrap_model_construction(args) -> None:
         from megatron.training.models.gpt import GPTModelBuilder
     except ImportError:  # older megatron.training: no config-container builders
         return
-    original_build = GPTModelBuilder.build_model
+    _wrap_builder(GPTModelBuilder, builder)
+    if hybrid_layout.is_hybrid(args):  # pretrain_hybrid.py (imports TE-spec modules: only when needed)
+        from megatron.training.models.hybrid import HybridModelBuilder
+
+        _wrap_builder(HybridModelBuilder, builder)
+
+
+def _wrap_builder(cls, builder: ChunkBuilder) -> None:
+    """``cls.build_model`` (a megatron.training ``ModelBuilder``) through ``builder``."""
+    original_build = cls.build_model
     if getattr(original_build, "_vshape", False):
         return
 
@@ -162,7 +171,7 @@ def wrap_model_construction(args) -> None:
                              config=getattr(getattr(self, "_model_config", None), "transformer", None))
 
     build_model._vshape = True
-    GPTModelBuilder.build_model = build_model
+    cls.build_model = build_model
 
 
 def _provider_through(builder: ChunkBuilder, model_provider_func):

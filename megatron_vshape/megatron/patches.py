@@ -33,6 +33,7 @@ class Group(enum.Enum):
     WGRAD = "wgrad"  # the executor's B/W split (megatron-core only)
     CPU = "cpu"  # enable_cpu_mode(): --cpu and the CPU tests (megatron-core only)
     TRAINING_CPU = "training-cpu"  # enable_training_cpu_mode(): --cpu with megatron.training
+    HYBRID = "hybrid"  # hybrid_spec.install(): runs with --hybrid-layer-pattern (HybridModel)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,11 @@ PATCHES: tuple[Patch, ...] = (
           Match.CONTAINS),
     Patch("megatron.core.datasets.utils", "compile_helpers", (), Group.TRAINING_CPU),
     Patch("megatron.training.arguments", "get_device_arch_version", (), Group.TRAINING_CPU),
+    Patch("megatron.training.models.hybrid", "HybridModelBuilder.build_model",
+          ("self", "pg_collection", "pre_process", "post_process", "vp_stage"), Group.HYBRID),
+    Patch("megatron.core.models.hybrid.hybrid_layer_allocation", "select_pipeline_segment",
+          ("main_pattern", "pp_group", "vp_stage"), Group.HYBRID, Match.LEADING),
+    Patch("megatron.core.models.hybrid.hybrid_block", "TENorm", None, Group.HYBRID),  # replaced with --cpu
 )
 
 
