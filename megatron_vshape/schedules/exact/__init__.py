@@ -6,7 +6,7 @@ whether it is installed.
 """
 
 from .cpsat import solver_available
-from .optimize import NAME, ExactResult, optimize
+from .optimum import NAME, ExactResult, optimize
 from .problem import ExactProblem, build_problem
 
 __all__ = ["NAME", "ExactProblem", "ExactResult", "build_problem", "optimize", "solver_available"]

@@ -14,7 +14,7 @@ from ..inputs import EPS
 from ..registry import get_schedule
 from ..schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
 from ..simulator import SimulationResult, simulate
-from ..validator import validate
+from ..validator import keeps_w_order, validate
 from . import cpsat
 from .problem import ExactProblem, build_problem, makespan_of, peak_of, schedule_from_starts, starts_of
 
@@ -51,7 +51,8 @@ class ExactResult:
         return max(0.0, (makespan - self.lower_bound) / makespan) if makespan > 0 else 0.0
 
     def to_json(self) -> dict:
-        return {**self.result.to_json(), "validated": True, "lower_bound": self.lower_bound, "gap": self.gap,
+        return {**self.result.to_json(), "validated": True, "w_order_kept": keeps_w_order(self.schedule),
+                "lower_bound": self.lower_bound, "gap": self.gap,
                 "optimal": self.optimal, "solver_status": self.status, "solver_wall_s": round(self.wall_s, 3),
                 "memory_limit": self.schedule.meta.get("memory_limit"), "warm_start": self.warm_start}
 
@@ -103,5 +104,7 @@ def optimize(num_devices: int, num_microbatches: int, costs: Costs = Costs(),
         raise ScheduleError(f"optimize: the solved schedule's peak {result.peak_memory_max:g} exceeds the cap "
                             f"{problem.cap:g} (memory rounding); report this cell")
     bound = outcome.bound / problem.scale
+    if abs(bound - result.makespan) <= 1e-9 * max(1.0, result.makespan):  # the same time, up to float sums
+        bound = result.makespan
     return ExactResult(result, min(bound, result.makespan), outcome.optimal and problem.exact_time,
                        problem.exact_time, outcome.status, outcome.wall_s, label)
