@@ -19,7 +19,6 @@ Tested with Megatron-LM's own ``pretrain_gpt.py`` (tag core_v0.19.0), unmodified
 
 from __future__ import annotations
 
-import runpy
 import sys
 from pathlib import Path
 
@@ -40,8 +39,31 @@ def main(argv: list[str] | None = None) -> None:
     hook_arguments()
     sys.argv = [str(script), *argv[1:]]
     sys.path.insert(0, str(script.resolve().parent))
-    runpy.run_path(str(script), run_name="__main__")
+    run_as_main(script)
     shutdown_distributed()
+
+
+def run_as_main(script: Path) -> None:
+    """Run ``script`` as ``__main__``, as ``python script.py`` would, except for processes it spawns.
+
+    A child started with multiprocessing's ``spawn`` re-executes the parent's main *file* (its imports
+    included) unless the main module's spec is named ``__main__``. Megatron's checkpoint writer starts
+    such a child (a ``Manager``): re-running Megatron-LM's ``pretrain_*.py`` there imports
+    megatron.training without our Python 3.11 bridge (``typing.override``) and fails the first save.
+    The children need nothing from the script, so the spec says ``__main__`` and they skip it.
+    """
+    import importlib.machinery
+
+    original = sys.modules["__main__"]
+    module = type(sys)("__main__")
+    module.__file__ = str(script)
+    module.__spec__ = importlib.machinery.ModuleSpec("__main__", None, origin=str(script))
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module
+    try:
+        exec(compile(script.read_bytes(), str(script), "exec"), module.__dict__)
+    finally:
+        sys.modules["__main__"] = original
 
 
 def shutdown_distributed() -> None:

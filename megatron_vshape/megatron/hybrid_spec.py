@@ -59,18 +59,23 @@ def hybrid_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=Fal
                                          **options)
     norm = dense.input_layernorm
     te = megatron_specs.hybrid_stack_spec.submodules
+    # Checkpoint keys as megatron's TE hybrid spec writes them (its norms live inside the next linear),
+    # which are also the GPT local spec's: checkpoints move between CPU, GPU and GPTModel runs.
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=norm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda)),
+            input_layernorm=norm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda,
+            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"})),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=norm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)),
+            pre_mlp_layernorm=norm, mlp=dense.mlp, mlp_bda=dense.mlp_bda,
+            sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})),
         moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=moe.mlp, mlp_bda=moe.mlp_bda)),
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
             norm=norm,
             mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
                 in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
-            mamba_bda=te.mamba_layer.submodules.mamba_bda)),
+            mamba_bda=te.mamba_layer.submodules.mamba_bda,
+            sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"})),
         gdn_layer=te.gdn_layer, dsa_layer=te.dsa_layer, mla_layer=te.mla_layer, mtp_block_spec=te.mtp_block_spec,
     ))
 
