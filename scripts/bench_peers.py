@@ -243,7 +243,8 @@ def format_table(records: list[dict]) -> str:
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--ours", default=",".join(DEFAULT_OURS), help="vshape schedules to time")
+    parser.add_argument("--ours", default=",".join(DEFAULT_OURS),
+                        help="vshape schedules to time; NAME:eager with the old p2p waits (each batch at once)")
     parser.add_argument("--torch", default=",".join(TORCH_SCHEDULES), help=f"of: {', '.join(TORCH_SCHEDULES)}")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
@@ -254,14 +255,15 @@ def _parse(argv):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--unit-costs", action="store_true",
-                        help="build vshape schedules with F=B=W instead of F/B/W times measured on a V-ZB run")
+                        help="build vshape schedules with F=B=W instead of the costs --pipeline-costs auto measures "
+                             "(runtime/replan.py's rule, on a V-ZB run: the same as bench_runtime.py)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     from megatron_vshape.schedules import SCHEDULES
 
     ours = tuple(s for s in args.ours.split(",") if s)
     torch_rows = tuple(s for s in args.torch.split(",") if s)
-    if unknown := [s for s in ours if s not in SCHEDULES]:
+    if unknown := [s for s in ours if s.partition(":")[0] not in SCHEDULES or s.partition(":")[2] not in ("", "eager")]:
         parser.error(f"--ours: unknown {unknown}; choose from {', '.join(SCHEDULES)}")
     if unknown := [s for s in torch_rows if s not in TORCH_SCHEDULES]:
         parser.error(f"--torch: unknown {unknown}; choose from {', '.join(TORCH_SCHEDULES)}")

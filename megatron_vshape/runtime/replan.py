@@ -150,10 +150,12 @@ class Replan:
     def line(self, schedule_name: str) -> str:
         c = self.costs
         verb = "switched to the rebuilt schedule" if self.switched else "kept the running schedule"
+        load = self.measured_seconds.get("load", -1.0)
+        loading = f" (batch loading {1000 * load:.3g} ms per F, not in f)" if load > 0 else ""
         return (f"re-planned {schedule_name} after iteration {self.after_iteration} from measured costs "
                 f"f={c.f:.3g},b={c.b:.3g},w={c.w:.3g},comm={c.comm:.3g}: predicted bubble "
                 f"{100 * self.bubble_before:.1f}% -> {100 * self.bubble_after:.1f}%, {verb} "
-                f"(schedule {self.fingerprint})")
+                f"(schedule {self.fingerprint}){loading}")
 
     def to_json(self) -> dict:
         return {"f": self.costs.f, "b": self.costs.b, "w": self.costs.w, "comm": self.costs.comm,

@@ -19,7 +19,7 @@ Policy: **one global order of pairwise rendezvous.**
   fused into one batch (a send and a receive posted together, as Megatron's
   ``send_forward_recv_backward``), which is the same as moving them next to each other in G.
 * Waits are as late as allowed (:func:`_emit`): a receiving batch right before the first pass that
-  consumes it, a send-only batch one pass later (at the next receive-wait). Posting stays in G
+  consumes it, a send-only batch at least one pass later (after the next receive-waits). Posting stays in G
   order; only the waits move. On gloo a wait blocks the host, so a sender no longer stops until a
   busy receiver reaches the slot, and a receiver still runs the passes that do not need the
   message. On NCCL a wait only orders the streams.
@@ -247,9 +247,10 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, eager_waits: bool = 
     """This rank's operations: each batch POSTed at its place in G; its WAIT as late as allowed.
 
     A batch that receives is waited for right before the first pass that consumes one of its
-    messages; a batch that only sends, before the first receive-wait after the pass that follows it
-    (one pass of slack: the sender does not stop for a receiver that is still busy, and the sent
-    tensors are not kept alive longer than a pass or so); whatever is left, at the end.
+    messages; a batch that only sends, right after the first receive-waits that follow the pass after
+    it (at least one pass of slack, and a wait that the host was doing anyway: the sender does not
+    stop for a receiver that is still busy, and sent tensors live about a pass longer); whatever is
+    left, at the end.
     """
     ops: list[Op] = []
     current: list[Transfer] = []
@@ -279,11 +280,11 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, eager_waits: bool = 
             current_batch = None
             needed = sorted({receiving[m] for m in plan.steps[event.b].recvs if receiving.get(m) in unwaited})
             if needed:
-                for position in aged:
-                    wait(position)
-                aged.clear()
                 for position in needed:
                     wait(position)
+                for position in aged:  # after the receives: meanwhile the sends went out in the background
+                    wait(position)
+                aged.clear()
             aged.extend(p for p, receives in unwaited.items() if not receives and p not in aged)
             ops.append(Op(OpKind.COMPUTE, index=event.b))
             continue
