@@ -194,7 +194,8 @@ def idle_table(results, pp, microbatches, costs: Costs, measured: Costs, schedul
     from megatron_vshape.runtime import build_forward_backward_func
     from megatron_vshape.schedules import lower, simulate
 
-    lines = ["per-rank timeline of the median iteration (ms; idle% = waits + bookkeeping of wall - gsync; "
+    lines = ["per-rank timeline of the median iteration (ms; outsd = before/after the call while other ranks "
+             "run; idle% = waits + bookkeeping + outsd, of the pipeline's span less gsync; "
              "pred% = replay of the measured passes; sim% = simulator under the measured costs)",
              HEADER]
     records, timelines = [], {}
@@ -208,7 +209,8 @@ def idle_table(results, pp, microbatches, costs: Costs, measured: Costs, schedul
         summaries = summarize(lower(schedule), per_rank, comm)
         for s, sim_idle in zip(summaries, simulated_idle(sim)):
             lines.extend(format_rows(name, [s], sim_idle))
-            records.append({"schedule": name, "rank": s.rank, "wall_s": s.wall, "measured_idle": s.measured_idle,
+            records.append({"schedule": name, "rank": s.rank, "wall_s": s.wall, "span_s": s.span,
+                            "outside_s": s.outside, "measured_idle": s.measured_idle,
                             "predicted_idle": s.predicted_idle, "simulated_idle": sim_idle,
                             **{c.value: v for c, v in s.totals.items()}})
         timelines[name] = per_rank

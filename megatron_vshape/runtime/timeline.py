@@ -133,46 +133,60 @@ def simulated_idle(result) -> list[float]:
 
 @dataclass(frozen=True)
 class RankSummary:
-    """One rank's measured call, and the idle the replay predicts for it."""
+    """One rank's measured call, and the idle the replay predicts for it.
+
+    Shares are of the *pipeline's* time: from the first rank's entry to the last rank's return (one
+    clock for every process of a host), less the gradient reduction. A rank that returns early
+    idles until the last one is done (``outside``: its time outside the call, before and after), as
+    the replay's and the simulator's idle count it.
+    """
 
     rank: int
     wall: float
     totals: dict[Category, float]
-    predicted_idle: float  # share of the pipeline time (wall - grad-sync), from replay_idle
+    predicted_idle: float  # from replay_idle
+    span: float  # first entry to last return, over every rank
 
     @property
     def pipeline(self) -> float:
-        """The call's wall time less the gradient reduction: what the schedule's bubble is a share of."""
-        return self.wall - self.totals[Category.GRAD_SYNC]
+        """The pipeline's span less this rank's gradient reduction: what the bubble is a share of."""
+        return self.span - self.totals[Category.GRAD_SYNC]
+
+    @property
+    def outside(self) -> float:
+        return self.span - self.wall
 
     def share(self, *categories: Category) -> float:
         return sum(self.totals[c] for c in categories) / self.pipeline if self.pipeline > 0 else 0.0
 
     @property
     def measured_idle(self) -> float:
-        """Waits and bookkeeping: the pipeline time in which this rank computed nothing."""
-        return self.share(*WAITS, Category.BOOKKEEPING)
+        """Waits, bookkeeping and time outside the call: the pipeline time this rank computed nothing."""
+        return self.share(*WAITS, Category.BOOKKEEPING) + (self.outside / self.pipeline if self.pipeline > 0 else 0.0)
 
 
 def summarize(plans: Sequence[DevicePlan], timelines: Sequence[Timeline], comm: float) -> list[RankSummary]:
-    """Per-rank summaries of one call (``timelines[rank]`` ran ``plans[rank]``)."""
+    """Per-rank summaries of one call (``timelines[rank]`` ran ``plans[rank]``, all on one host's clock)."""
     durations = [[span.seconds for span in tl.passes()] for tl in timelines]
     for rank, (plan, steps) in enumerate(zip(plans, durations)):
         if len(steps) != len(plan.steps):
             raise ValueError(f"rank {rank}: timeline has {len(steps)} passes, plan {len(plan.steps)} steps")
     predicted = replay_idle(plans, durations, comm)
-    return [RankSummary(rank, tl.wall, tl.totals(), predicted[rank]) for rank, tl in enumerate(timelines)]
+    span = max(tl.end for tl in timelines) - min(tl.start for tl in timelines)
+    return [RankSummary(rank, tl.wall, tl.totals(), predicted[rank], span) for rank, tl in enumerate(timelines)]
 
 
 HEADER = (f"{'schedule':14s} {'rank':>4s} {'wall ms':>8s} {'F':>6s} {'B':>6s} {'W':>6s} {'w-recv':>6s} "
-          f"{'w-send':>6s} {'bookk':>6s} {'gsync':>6s} {'idle%':>6s} {'pred%':>6s} {'sim%':>6s}")
+          f"{'w-send':>6s} {'bookk':>6s} {'gsync':>6s} {'outsd':>6s} {'idle%':>6s} {'pred%':>6s} {'sim%':>6s}")
 
 
 def format_rows(name: str, summaries: Sequence[RankSummary], simulated: float | None = None) -> list[str]:
-    """Table lines (see :data:`HEADER`): ms per category; idle% measured, pred% replayed, sim% simulator."""
+    """Table lines (see :data:`HEADER`): ms per category and outside the call; idle% measured, pred%
+    replayed, sim% simulator."""
     lines = []
     for s in summaries:
         ms = [1000 * s.totals[c] for c in (*COMPUTE, *WAITS, Category.BOOKKEEPING, Category.GRAD_SYNC)]
+        ms.append(1000 * s.outside)
         sim = "" if simulated is None else f"{100 * simulated:6.1f}"
         lines.append(f"{name:14s} {s.rank:4d} {1000 * s.wall:8.1f} " + " ".join(f"{v:6.1f}" for v in ms)
                      + f" {100 * s.measured_idle:6.1f} {100 * s.predicted_idle:6.1f} {sim}")
