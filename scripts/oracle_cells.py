@@ -23,7 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_vshape.schedules import Costs, PlacementKind, get_schedule, simulate  # noqa: E402
 from megatron_vshape.schedules.exact import optimize  # noqa: E402
-from megatron_vshape.schedules.exact.oracle import COST_SETTINGS, HEURISTICS, heuristic_limit  # noqa: E402
+from megatron_vshape.schedules.exact.oracle import (  # noqa: E402
+    COST_SETTINGS,
+    HEURISTICS,
+    TOLERANCE,
+    heuristic_limit,
+)
 from megatron_vshape.schedules.schedule import looped_stage_work  # noqa: E402
 
 _SOLVED: dict = {}
@@ -36,7 +41,7 @@ def solve_cell(d: int, m: int, label: str, costs: Costs, heuristic: str, time_li
     schedule = get_schedule(heuristic, d, m, costs)
     result = simulate(schedule, costs)
     limit = heuristic_limit(result, d, costs)
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     key = (d, m, costs, placement, round(limit, 9))
     if key not in _SOLVED:  # V-Min and V-Half often use the same memory at small m: solve once
         _SOLVED[key] = optimize(d, m, costs, placement, limit, time_limit=time_limit, workers=workers)
@@ -46,6 +51,7 @@ def solve_cell(d: int, m: int, label: str, costs: Costs, heuristic: str, time_li
         "heuristic_makespan": result.makespan, "heuristic_bubble": result.bubble_rate,
         "makespan": found.result.makespan, "bubble": found.result.bubble_rate, "lower_bound": found.lower_bound,
         "optimal": found.optimal, "gap": found.gap, "wall_s": round(time.perf_counter() - began, 2),
+        "cpu_s": round(time.process_time() - cpu, 2),
         "schedule": found.schedule.to_text(),
     }
 
@@ -58,14 +64,25 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("-o", "--output", default=None, help="JSON fixture to write")
+    parser.add_argument("--cache", default=None, metavar="FILE",
+                        help="also write the V cells where the solver beats v-auto (by more than the tolerance where "
+                             "proven, at all where not) as v-auto's cache (megatron_vshape/schedules/exact/solved_cells.json)")
+    parser.add_argument("--keep", default=None, metavar="FILE",
+                        help="a fixture whose proven cells are kept as they are (only the others are solved again)")
     args = parser.parse_args(argv)
+    kept = {}
+    if args.keep:
+        for cell in json.loads(Path(args.keep).read_text())["cells"]:
+            if cell["optimal"]:
+                kept[(cell["devices"], cell["microbatches"], cell["costs"], cell["heuristic"])] = cell
     records = []
     for d in map(int, args.devices.split(",")):
         for m in (d, 2 * d):
             for label in args.costs.split(","):
                 costs = COST_SETTINGS[label](d)
                 for heuristic in args.heuristics.split(","):
-                    record = solve_cell(d, m, label, costs, heuristic, args.time_limit, args.workers)
+                    record = kept.get((d, m, label, heuristic)) or solve_cell(
+                        d, m, label, costs, heuristic, args.time_limit, args.workers)
                     records.append(record)
                     print(f"d={d} m={m:<2} {label:<8} {heuristic:<6} limit {record['memory_limit']:.3f}  "
                           f"heuristic {record['heuristic_makespan']:8.3f}  solver {record['makespan']:8.3f}  "
@@ -74,7 +91,31 @@ def main(argv=None) -> int:
                     if args.output:
                         Path(args.output).write_text(json.dumps({"time_limit": args.time_limit,
                                                                  "workers": args.workers, "cells": records}, indent=1) + "\n")
+    if args.cache:
+        write_cache(records, args.cache)
     return 0
+
+
+def write_cache(records: list[dict], path: str) -> None:
+    """The V cells whose solved schedule v-auto (its own candidates) does not reach."""
+    from megatron_vshape.schedules.adaptive import choose
+    from megatron_vshape.schedules.exact.solved import SolvedCell, cell_to_json
+
+    cells = []
+    for r in records:
+        if r["heuristic"] not in ("v-min", "v-half", "v-zb") or r["memory_limit"] > 1:
+            continue
+        costs = COST_SETTINGS[r["costs"]](r["devices"])
+        own = simulate(choose(r["devices"], r["microbatches"], costs, r["memory_limit"]).schedule, costs).makespan
+        if (r["makespan"] * (1 + TOLERANCE) < own) if r["optimal"] else (r["makespan"] < own - 1e-9):
+            cells.append(cell_to_json(SolvedCell(r["devices"], r["microbatches"], costs, PlacementKind.V,
+                                                 r["memory_limit"], r["makespan"], r["lower_bound"], r["optimal"],
+                                                 r["schedule"])))
+            print(f"cache: d={r['devices']} m={r['microbatches']} {r['costs']} at {r['heuristic']}'s memory: "
+                  f"v-auto {own:g} -> solved {r['makespan']:g}")
+    unique = {json.dumps(c, sort_keys=True): c for c in cells}  # V-Min and V-Half may share a cell
+    Path(path).write_text(json.dumps({"source": "scripts/oracle_cells.py --cache", "cells": list(unique.values())},
+                                     indent=1) + "\n")
 
 
 if __name__ == "__main__":

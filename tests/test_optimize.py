@@ -6,27 +6,19 @@ The oracle tier (the cached cells, compared with the heuristics) is tests/test_o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from _solver_support import need_solver
 
 from megatron_vshape.schedules import Costs, PlacementKind, ScheduleError, get_schedule, simulate, validate
-from megatron_vshape.schedules.exact import build_problem, optimize, solver_available
+from megatron_vshape.schedules.exact import build_problem, optimize
 from megatron_vshape.schedules.exact import optimum as optimize_module
 from megatron_vshape.schedules.exact.problem import makespan_of, starts_of
 from megatron_vshape.schedules.schedule import one_f_one_b_peak
 
 UNEQUAL = Costs.parse("f=1,b=1.1,w=0.9,comm=0.05")
-
-
-def _need_solver():
-    # CI installs the solver (setup.py's test extra): there a missing solver is a failure, not a skip.
-    if not solver_available():
-        if os.environ.get("CI"):
-            pytest.fail("OR-Tools is missing in CI: pip install -e '.[test]' installs it")
-        pytest.skip("OR-Tools not installed (pip install -e '.[solver]')")
 
 
 def test_no_module_imports_the_solver_at_import_time():
@@ -66,7 +58,7 @@ def test_inexact_costs_round_down_so_the_bound_still_holds():
     (4, 4, UNEQUAL, "v-min"),
 ])
 def test_proves_small_cells_and_meets_every_heuristic_within_its_memory(d, m, costs, heuristic):
-    _need_solver()
+    need_solver()
     reference = simulate(get_schedule(heuristic, d, m, costs), costs)
     limit = reference.peak_memory_max / one_f_one_b_peak(d, costs)
     found = optimize(d, m, costs, memory_limit=limit, time_limit=60)
@@ -83,14 +75,14 @@ def test_proves_small_cells_and_meets_every_heuristic_within_its_memory(d, m, co
 
 def test_beats_v_min_where_the_optimum_is_known_by_the_work_bound():
     # d=2, m=4 at 1F1B's memory: the optimum is the work itself (no bubble), which V-Min misses.
-    _need_solver()
+    need_solver()
     found = optimize(2, 4, Costs(), memory_limit=1.0, time_limit=60)
     assert found.result.makespan == pytest.approx(found.result.work_per_device)
     assert simulate(get_schedule("v-min", 2, 4), Costs()).makespan > found.result.makespan
 
 
 def test_looped_placement_at_zb1p_memory():
-    _need_solver()
+    need_solver()
     found = optimize(3, 3, UNEQUAL, PlacementKind.LOOPED, memory_limit=1.0, time_limit=60)
     assert found.optimal and found.schedule.placement.kind is PlacementKind.LOOPED
     zb1p = simulate(get_schedule("zb-1p", 3, 3, UNEQUAL), UNEQUAL)
@@ -98,7 +90,7 @@ def test_looped_placement_at_zb1p_memory():
 
 
 def test_a_cap_below_one_activation_is_infeasible():
-    _need_solver()
+    need_solver()
     with pytest.raises(ScheduleError, match="no schedule fits the memory cap"):
         optimize(2, 2, memory_limit=0.1, time_limit=10)
 
@@ -109,7 +101,7 @@ def _cli(*args):
 
 
 def test_cli_json_has_simulate_fields_plus_bound_and_gap(tmp_path):
-    _need_solver()
+    need_solver()
     out = tmp_path / "opt.txt"
     done = _cli("-d", "2", "-m", "4", "--costs", "f=1,b=1.1,w=0.9,comm=0.05", "--memory-limit", "0.75",
                 "--time-limit", "30", "--json", "-o", str(out))

@@ -276,6 +276,24 @@ def _chosen_schedule(num_devices: int, num_microbatches: int, costs: Costs, memo
     return chosen, chosen.schedule
 
 
+@lru_cache(maxsize=64)
+def _solved_better(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: float,
+                   bubble: float):
+    """The cached exact schedule (``exact.solved``) with the lowest bubble that fits the limit, when
+    it beats ``bubble`` (the candidates' best); else None. Small cells only: see that module."""
+    from .exact.solved import solved_for  # the exact package imports the registry, which imports us
+
+    budget = memory_limit * one_f_one_b_peak(num_devices, costs) + _EPS
+    best = None
+    for cell in solved_for(num_devices, num_microbatches, costs):
+        schedule = cell.schedule()
+        result = simulate(schedule, costs)
+        if result.peak_memory_max <= budget and result.bubble_rate < bubble - _EPS:
+            if best is None or result.bubble_rate < best[0]:
+                best = (result.bubble_rate, cell, schedule)
+    return None if best is None else best[1:]
+
+
 def v_auto(num_devices: int, num_microbatches: int, costs: Costs = Costs(), memory_limit: float | None = None) -> Schedule:
     """The lowest-bubble V schedule whose activation memory fits ``memory_limit`` x 1F1B's peak.
 
@@ -286,6 +304,13 @@ def v_auto(num_devices: int, num_microbatches: int, costs: Costs = Costs(), memo
         memory_limit = DEFAULT_LIMIT
     _check_limit(memory_limit)
     chosen, schedule = _chosen_schedule(num_devices, num_microbatches, costs, memory_limit)
+    solved = _solved_better(num_devices, num_microbatches, costs, memory_limit, chosen.bubble)
+    if solved is not None:
+        cell, schedule = solved
+        meta = {"memory_limit": memory_limit, "memory_limit_units": memory_limit * one_f_one_b_peak(num_devices, costs),
+                "candidate": "optimal (solved, cached)", "exact_search": True, "lower_bound": cell.lower_bound,
+                "optimal": cell.optimal, "solved_memory_limit": cell.memory_limit}
+        return dataclasses.replace(schedule, name=NAME, meta=meta)
     meta = {
         "memory_limit": memory_limit,
         "memory_limit_units": memory_limit * one_f_one_b_peak(num_devices, costs),

@@ -58,42 +58,47 @@ def solve(problem: ExactProblem, time_limit: float, workers: int = 2,
 
     began = time.perf_counter()
     hint_ok = hint is not None and (problem.cap_units is None or peak_of(problem, hint) <= problem.cap_units)
-    chain_bound = problem.lower_bound()
-    horizon = _horizon(problem)
-    upper = makespan_of(problem, hint) if hint_ok else horizon
-    if upper <= chain_bound:  # the warm start meets the chain bound: optimal without a search
-        return SolveOutcome(list(hint), upper, upper, True, "OPTIMAL (chain bound)", time.perf_counter() - began)
-
-    model, starts, makespan = _model(problem, chain_bound, upper, range(problem.num_devices))
-    if hint_ok:
-        for var, value in zip(starts, hint):
-            model.add_hint(var, value)
-        model.add_hint(makespan, upper)
-
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit - (time.perf_counter() - began))
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = seed
-    status = solver.solve(model)
+    bound = problem.lower_bound()
+    best = list(hint) if hint_ok else None
+    upper = makespan_of(problem, best) if best else _horizon(problem)
+    status = "OPTIMAL (chain bound)"
+    # Two phases: the default search (LNS, good at improving the incumbent) for a third of the time,
+    # then set-times branching (good at closing the bound) from the improved incumbent.
+    for set_times, share in ((False, 1 / 3), (True, 1.0)):
+        if upper <= bound:  # the incumbent meets a proven bound: optimal
+            break
+        left = time_limit - (time.perf_counter() - began)
+        if left <= 0.05:
+            break
+        model, starts, makespan = _model(problem, bound, upper, set_times)
+        if best:
+            for var, value in zip(starts, best):
+                model.add_hint(var, value)
+            model.add_hint(makespan, upper)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.05, left * share)
+        solver.parameters.num_workers = workers
+        solver.parameters.random_seed = seed
+        code = solver.solve(model)
+        status = solver.status_name(code)
+        if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            found = [solver.value(v) for v in starts]
+            if makespan_of(problem, found) < upper or best is None:
+                best, upper = found, makespan_of(problem, found)
+            bound = max(bound, int(round(solver.best_objective_bound)))
+        if code == cp_model.OPTIMAL:
+            bound = upper
+        if code == cp_model.INFEASIBLE:  # no schedule within the domain: with an incumbent, it is optimal
+            bound = upper if best else _horizon(problem)
+            break
     wall = time.perf_counter() - began
-    name = solver.status_name(status)
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        found = [solver.value(s) for s in starts]
-        objective = makespan_of(problem, found)
-        bound = max(chain_bound, int(round(solver.best_objective_bound)))
-        if hint_ok and upper < objective:  # cannot happen with the domain cut; keep the better anyway
-            found, objective = list(hint), upper
-        return SolveOutcome(found, objective, min(bound, objective), status == cp_model.OPTIMAL, name, wall)
-    if status == cp_model.INFEASIBLE:
-        return SolveOutcome(None, None, horizon, False, name, wall)
-    if hint_ok:  # no better schedule found in time: the warm start stands
-        return SolveOutcome(list(hint), upper, chain_bound, False, name, wall)
-    return SolveOutcome(None, None, chain_bound, False, name, wall)
+    if best is None:
+        return SolveOutcome(None, None, bound, False, status, wall)
+    return SolveOutcome(best, upper, min(bound, upper), bound >= upper, status, wall)
 
 
-def _model(problem: ExactProblem, lower: int, upper: int, devices):
-    """The model with the devices in ``devices`` as resources (the rest run any number of passes at
-    once: a relaxation unless all are given) and the makespan over those devices."""
+def _model(problem: ExactProblem, lower: int, upper: int, set_times: bool):
+    """The model with the makespan in [lower, upper]; ``set_times`` adds the set-times branching."""
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
@@ -101,14 +106,12 @@ def _model(problem: ExactProblem, lower: int, upper: int, devices):
     starts, intervals = [], []
     for p, action in enumerate(problem.passes):
         # Latest start: every chain from p must end on its device within the incumbent's makespan.
-        latest = min(problem.origin[j] + upper - length for j, length in problem.tails[p].items() if j in devices) \
-            if any(j in devices for j in problem.tails[p]) else upper + max(problem.origin)
+        latest = min(problem.origin[j] + upper - length for j, length in problem.tails[p].items())
         start = model.new_int_var(problem.head[p], max(problem.head[p], latest), f"s_{action}")
         starts.append(start)
         intervals.append(model.new_fixed_size_interval_var(start, problem.duration[p], f"i_{action}"))
         for j, length in problem.tails[p].items():
-            if j in devices:
-                model.add(start + length - problem.origin[j] <= makespan)
+            model.add(start + length - problem.origin[j] <= makespan)
     for p, preds in enumerate(problem.preds):
         for q, delay in preds:
             model.add(starts[p] >= starts[q] + problem.duration[q] + delay)
@@ -116,7 +119,7 @@ def _model(problem: ExactProblem, lower: int, upper: int, devices):
     for first in range(0, len(problem.passes), m):  # microbatch order per (kind, stage)
         for p in range(first, first + m - 1):
             model.add(starts[p + 1] >= starts[p] + problem.duration[p])
-    for j in devices:
+    for j in range(problem.num_devices):
         on_device = [p for p in range(len(problem.passes)) if problem.device[p] == j]
         model.add_no_overlap([intervals[p] for p in on_device])
         if problem.cap_units is not None:
@@ -125,9 +128,8 @@ def _model(problem: ExactProblem, lower: int, upper: int, devices):
             _lifetimes(model, problem, starts, j)
             _memory_lags(model, problem, starts, j)
     model.minimize(makespan)
-    # Set times: start the earliest-startable pass at its earliest time (what proves these cells;
-    # the default search alone leaves gaps, measured in docs/optimize.md).
-    model.add_decision_strategy(starts, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
+    if set_times:  # start the earliest-startable pass at its earliest time (what closes the bounds here)
+        model.add_decision_strategy(starts, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
     return model, starts, makespan
 
 
