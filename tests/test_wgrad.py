@@ -249,12 +249,27 @@ def test_stores_are_independent(split):
     assert weight.grad is None and first.pending() == [(0, 0)]
 
 
-def test_ddp_overlap_grad_reduce_is_rejected():
+def test_ddp_overlap_grad_reduce_is_accepted_and_fsdp_rejected():
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    check_ddp_config(DistributedDataParallelConfig(overlap_grad_reduce=False), "v-half")
-    with pytest.raises(WgradError, match="--pipeline-schedule v-half.*drop --overlap-grad-reduce"):
-        check_ddp_config(DistributedDataParallelConfig(overlap_grad_reduce=True), "v-half")
+    check_ddp_config(DistributedDataParallelConfig(overlap_grad_reduce=True), "v-half")  # grad_sync.py launches
+    with pytest.raises(WgradError, match="--pipeline-schedule v-half.*Megatron-FSDP"):
+        check_ddp_config(DistributedDataParallelConfig(use_megatron_fsdp=True), "v-half")
+
+
+def test_store_counts_the_tasks_still_holding_each_weight(split):
+    """The executor launches a weight's bucket when no pending W task holds it (grad_sync.py)."""
+    weight, bias = _layer()
+    store = WeightGradStore()
+    for mb in range(2):
+        x, dy = _batch(mb)
+        with store.capture((0, mb)):
+            torch.autograd.backward(_linear(x, weight, bias), dy)
+    assert store.holds(weight) == 2 and store.weights_owed(lambda key: key[0] == 0) == {id(weight)}
+    seen = []
+    store.run((0, 0), after_task=lambda task: seen.append(store.holds(task.weight)))
+    store.run((0, 1), after_task=lambda task: seen.append(store.holds(task.weight)))
+    assert seen == [1, 0] and store.weights_owed(lambda key: True) == set()
 
 
 # --- megatron models on gloo ranks ----------------------------------------------------------

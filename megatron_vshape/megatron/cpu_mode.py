@@ -17,6 +17,9 @@ megatron-core assumes CUDA in a handful of places that are unrelated to the math
 * **The RNG tracker**: megatron's ``CudaRNGStatesTracker`` forks CUDA generator states; the CPU
   tracker below forks the CPU default generator (dropout on CPU draws from it), so tensor-parallel
   dropout regions stay reproducible and distinct per tracker name.
+* **Expert-parallel all-to-all split sizes**: megatron's alltoall token dispatcher copies its split
+  sizes to the host as numpy arrays only when they are on a GPU (``maybe_move_tensor_to_cpu``); on CPU
+  they stay tensors, which ``all_to_all_single`` rejects. The mode hands it the same host lists.
 
 Call it before building models and before ``model_parallel_cuda_manual_seed``. It is idempotent.
 It changes process-wide state on purpose (that is the point of a mode), so call it in the worker
@@ -88,6 +91,10 @@ class _CpuDeviceMode(TorchFunctionMode):
             kwargs["device"] = _CPU
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
+        if getattr(func, "__name__", None) == "all_to_all_single":
+            for name in ("output_split_sizes", "input_split_sizes"):
+                if isinstance(kwargs.get(name), torch.Tensor):
+                    kwargs[name] = kwargs[name].tolist()
         return func(*args, **kwargs)
 
 

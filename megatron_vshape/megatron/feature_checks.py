@@ -38,16 +38,17 @@ def check_cpu_features(args, sizes) -> str | None:
 
 # Features that reduce, overlap or fuse weight gradients at the moment the full backward ends,
 # which a deferred W (after B, sometimes much later) breaks. (flag, dest, why)
+# --overlap-grad-reduce / --overlap-param-gather and --recompute-granularity run under split schedules
+# (buckets launch at their last W: runtime/grad_sync.py; a recomputed layer's W uses what its B recomputed).
 _SPLIT_CONFLICTS = (
-    ("--overlap-grad-reduce", "overlap_grad_reduce", "gradient buckets would be reduced before W runs"),
-    ("--overlap-param-gather", "overlap_param_gather", "it relies on --overlap-grad-reduce's bucket hooks"),
     ("--delay-wgrad-compute", "delay_wgrad_compute",
      "the schedule defers W itself, in megatron's linear layers; TE's deferral is for its MoE overlap"),
     ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", "the schedule already defers W"),
     ("--tp-comm-overlap", "tp_comm_overlap", "TE's userbuffer overlap is not wired to deferred W yet"),
     ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", "it has its own wgrad schedule"),
-    ("--recompute-granularity", "recompute_granularity", "recomputation inside a split backward is untested"),
     ("--cpu-offloading-num-layers", "cpu_offloading_num_layers", "offloading hooks assume a fused backward"),
+    ("--moe-grouped-gemm", "moe_grouped_gemm",
+     "Transformer Engine's grouped expert GEMM computes its weight gradients itself and is not split yet"),
 )
 
 

@@ -28,6 +28,7 @@ from megatron_vshape.schedules.exchange import forward_only_plan as _forward_onl
 
 from . import compat
 from .active_stage import running_stage
+from .grad_sync import BucketLauncher
 from .p2p import PlanExchange, local_device
 from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
 from .timeline import Category
@@ -88,6 +89,11 @@ class Iteration:
         self.deferred = set() if forward_only else _deferred_backwards(self.schedule, self.plan)
         if self.deferred:
             executor._wgrad.check_models(models, executor.schedule_name)
+        # --overlap-grad-reduce with deferred W: buckets launch at their params' last W (grad_sync.py).
+        # Tied copies on one rank (V) are summed after the loop, so their reductions all wait for it.
+        tied_local = self.placement.kind is PlacementKind.V and tied_embedding_pair(models) is not None
+        self.launcher = BucketLauncher(models, self.plan, self.placement.chunk_of, split=bool(self.deferred),
+                                       launch_early=not tied_local)
         shape = [seq_length // self.cp_size, micro_batch_size, self.config.hidden_size]
         if self.config.sequence_parallel:
             shape[0] //= tp_size
@@ -143,7 +149,8 @@ class Iteration:
         timeline = [] if self.executor.record_timeline else None
         spans = exchange.timeline = self.executor.current_timeline  # where the wall time goes (timeline.py)
         self.clock = clock = self.executor.pass_clock(self.forward_only)
-        with _GradSyncControl(self.config, self.models, enabled=not self.forward_only) as grad_sync:
+        with _GradSyncControl(self.config, self.models, enabled=not self.forward_only,
+                              launcher=self.launcher) as grad_sync:
             for index, step in enumerate(self.plan.steps):
                 progress.at("the p2p exchange before a pass", index, str(step.action))
                 for chunk_index in first_forward.get(index, ()):
@@ -163,6 +170,7 @@ class Iteration:
                 if timeline is not None:
                     timeline.append((step.action, start, time.perf_counter()))
                 progress.finished(str(step.action))
+                self.launcher.after_pass(index, step.action.stage, step.action.kind, self.executor._wgrad.store)
                 for chunk_index in last_backward.get(index, ()):
                     grad_sync.start(chunk_index)
             progress.at("the p2p exchange after the last pass")
@@ -253,14 +261,16 @@ class Iteration:
         output = chunk.outputs.pop(mb)
         capture = (self.executor._wgrad.capture((chunk.index, mb), chunk.model, self.executor.schedule_name)
                    if action in self.deferred else contextlib.nullcontext())
-        with capture:
+        with capture, self.launcher.deferred_b(action in self.deferred):
             input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if action.stage > 0:
             self._deliver(action, input_grad, Payload.GRADIENT, exchange, step)
 
     def _backward_weight(self, action: Action) -> None:
         if Action(Kind.B, action.stage, action.microbatch) in self.deferred:
-            self.executor._wgrad.run((self.chunk_of(action.stage).index, action.microbatch))
+            index = self.chunk_of(action.stage).index
+            self.executor._wgrad.run((index, action.microbatch),
+                                     self.launcher.weight_done(index, self.executor._wgrad.store))
 
     def _deliver(self, action: Action, tensor, payload: Payload, exchange, step: Step) -> None:
         """Send the output of ``action`` to its consumer, or hand it over on this rank."""
@@ -302,8 +312,8 @@ class Iteration:
 class _GradSyncControl:
     """Holds back data-parallel gradient reduction until every backward of a chunk is done."""
 
-    def __init__(self, config, models, enabled: bool):
-        self.config, self.models, self.enabled = config, models, enabled
+    def __init__(self, config, models, enabled: bool, launcher: BucketLauncher | None = None):
+        self.config, self.models, self.enabled, self.launcher = config, models, enabled, launcher
         self._stack = contextlib.ExitStack()
         self._started: set[int] = set()
 
@@ -326,6 +336,8 @@ class _GradSyncControl:
         ddp_config = getattr(model, "ddp_config", None)
         if ddp_config is None or not ddp_config.overlap_grad_reduce:
             return  # finalize_model_grads reduces synchronously
+        if self.launcher is not None and self.launcher.launch_rest(chunk_index):
+            return  # a split backward: bucket by bucket, what is not launched yet (grad_sync.py)
         grad_sync = self.config.grad_sync_func
         if isinstance(grad_sync, list):
             grad_sync[chunk_index](model.parameters())

@@ -118,7 +118,11 @@ def chunk_pg_collection(spec: ChunkSpec, placement: Placement, base=None):
     if placement.kind is not PlacementKind.V:
         return pgs
     pgs = copy.copy(pgs)
-    pgs.pp = PipelineRankView(pgs.pp, spec.looped_rank)
+    if spec.looped_rank != pgs.pp.rank():
+        # Only a chunk megatron would place on another rank needs the view. Chunk 0 keeps the real
+        # group: megatron.training reads model[0]'s groups for its own collectives after the pass
+        # (MoE metrics all-reduce over pg_collection.pp), and those need a real process group.
+        pgs.pp = PipelineRankView(pgs.pp, spec.looped_rank)
     pgs.embd = None  # embedding and output layer share rank 0: tied locally, no group needed
     return pgs
 

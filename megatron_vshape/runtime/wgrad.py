@@ -38,6 +38,7 @@ public names stay importable from here).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,6 +104,9 @@ class WeightGradStore:
         self._tasks: dict[Key, list[Callable[[], None]]] = {}
         self._deferred = 0
         self._run = 0
+        # Pending tasks per weight (by id): a weight's gradient is complete when none is left, which
+        # is when the executor may launch its data-parallel bucket (runtime/grad_sync.py).
+        self._holding: Counter[int] = Counter()
 
     @contextmanager
     def capture(self, key: Key) -> Iterator[None]:
@@ -116,7 +120,9 @@ class WeightGradStore:
                 yield
             except BaseException:
                 # A B pass that failed half-way leaves no W to run.
-                self._deferred -= len(self._tasks.pop(key))
+                tasks = self._tasks.pop(key)
+                self._deferred -= len(tasks)
+                self._release(tasks)
                 raise
 
     def deferred_in(self, key: Key) -> int:
@@ -137,9 +143,15 @@ class WeightGradStore:
     def _push(self, key: Key, task: Callable[[], None]) -> None:
         self._tasks[key].append(task)
         self._deferred += 1
+        weight = getattr(task, "weight", None)
+        if weight is not None:
+            self._holding[id(weight)] += 1
 
-    def run(self, key: Key) -> None:
-        """The W pass of ``key``: run exactly the work its B pass deferred, in B's order."""
+    def run(self, key: Key, after_task: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """The W pass of ``key``: run exactly the work its B pass deferred, in B's order.
+
+        ``after_task(task)`` is called after each task (the executor launches a gradient bucket as
+        soon as the last task holding one of its weights has run)."""
         try:
             tasks = self._tasks.pop(key)
         except KeyError:
@@ -147,6 +159,35 @@ class WeightGradStore:
         for task in tasks:
             task()
             self._run += 1
+            self._release([task])
+            if after_task is not None:
+                after_task(task)
+
+    def holds(self, weight) -> int:
+        """How many pending tasks will still add to ``weight``'s gradient."""
+        return self._holding.get(id(weight), 0)
+
+    def weights_owed(self, match: Callable[[Key], bool]) -> set[int] | None:
+        """``id()`` of the weights pending tasks under keys ``match`` accepts still add to; None if
+        one of those tasks does not name its weight (then nothing can be declared complete)."""
+        owed: set[int] = set()
+        for key, tasks in self._tasks.items():
+            if not match(key):
+                continue
+            for task in tasks:
+                weight = getattr(task, "weight", None)
+                if weight is None:
+                    return None
+                owed.add(id(weight))
+        return owed
+
+    def _release(self, tasks) -> None:
+        for task in tasks:
+            weight = getattr(task, "weight", None)
+            if weight is not None:
+                self._holding[id(weight)] -= 1
+                if self._holding[id(weight)] <= 0:
+                    del self._holding[id(weight)]
 
     def pending(self) -> list[Key]:
         """Keys captured and not run yet, in capture order."""
@@ -155,6 +196,7 @@ class WeightGradStore:
     def clear(self) -> None:
         """Drop all deferred work (e.g. after an aborted iteration); frees the tensors it holds."""
         self._tasks.clear()
+        self._holding.clear()
 
 
 # --- the patch -------------------------------------------------------------------------------

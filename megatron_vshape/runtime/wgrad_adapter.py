@@ -33,8 +33,13 @@ class WeightGradAdapter:
             yield
         wgrad.check_deferred(store, key, chunk_model, schedule_name)
 
-    def run(self, key) -> None:
-        self._get().run(key)
+    def run(self, key, after_task=None) -> None:
+        self._get().run(key, after_task)
+
+    @property
+    def store(self):
+        """The store, or None before the first deferred B (nothing is owed then)."""
+        return self._store
 
     def pending(self) -> list:
         return list(self._store.pending()) if self._store is not None else []

@@ -4,7 +4,8 @@
 B (:func:`check_context`: the fields of Megatron's linear context the split reads;
 :func:`check_splittable`: no FSDP, no GTP rematerialisation), after each captured B
 (:func:`check_deferred`: a B with linear layers must defer something) and once per run
-(:func:`check_ddp_config`: no ``overlap_grad_reduce``).
+(:func:`check_ddp_config`). ``overlap_grad_reduce`` is supported: the executor launches each bucket
+at its parameters' last W (``grad_sync.py``).
 """
 
 from __future__ import annotations
@@ -82,9 +83,12 @@ def check_deferred(store: WeightGradStore, key: Hashable, chunk: torch.nn.Module
 
 
 def check_ddp_config(ddp_config, schedule_name: str = "this schedule") -> None:
-    """Reject megatron DDP settings that cannot work with deferred weight gradients."""
-    if getattr(ddp_config, "overlap_grad_reduce", False):
+    """Reject megatron DDP settings that cannot work with deferred weight gradients.
+
+    Megatron-FSDP shards parameters and gradients in its own buffers, which a W task does not add to.
+    """
+    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp", False):
         raise WgradError(
-            f"--pipeline-schedule {schedule_name} splits B and W, which --overlap-grad-reduce does not support "
-            "(DDP would reduce a bucket before W adds to it): drop --overlap-grad-reduce"
+            f"--pipeline-schedule {schedule_name} splits B and W, which Megatron-FSDP does not support "
+            "(its gradient buffers are not megatron DDP's main_grad): use megatron DDP or a schedule without B/W split"
         )

@@ -17,8 +17,8 @@ communication. Tensor-parallel peers run the same program, so they reach the sam
 Gradient accumulation: a W task adds into ``weight.main_grad`` when the weight has one (megatron
 DDP; the fused CUDA kernel when ``gradient_accumulation_fusion`` is on), else into ``weight.grad``.
 Megatron DDP's per-parameter hook still fires in B, with a ``None`` gradient: harmless when
-``overlap_grad_reduce`` is off, wrong when on (it would start the bucket's reduction before W), so
-:func:`.wgrad_checks.check_ddp_config` rejects that combination. A weight used twice in one backward (tied
+``overlap_grad_reduce`` is off; when on, the executor runs that B with the hook's overlap path off and
+launches the bucket itself after the weight's last W (``grad_sync.py``). A weight used twice in one backward (tied
 weights) gets two additions instead of one addition of a sum: equal up to rounding only.
 """
 

@@ -108,11 +108,8 @@ BAD = {
     "cpu-fp16": (dict(fp16=True), "--fp16 is CUDA-only"),
     "cpu-sequence-parallel": (dict(tensor_model_parallel_size=2, world_size=8, sequence_parallel=True),
                               "--sequence-parallel needs apex"),
-    "split-overlap-grad": (dict(overlap_grad_reduce=True), "--overlap-grad-reduce conflicts"),
-    "split-overlap-param": (dict(overlap_param_gather=True), "--overlap-param-gather conflicts"),
     "split-delay-wgrad": (dict(delay_wgrad_compute=True), "--delay-wgrad-compute conflicts"),
-    "split-recompute": (dict(pipeline_schedule="zb-h1", num_layers=8, recompute_granularity="full"),
-                        "--recompute-granularity conflicts"),
+    "split-grouped-gemm": (dict(moe_grouped_gemm=True), "--moe-grouped-gemm conflicts"),
     "split-tp-overlap": (dict(cpu=False, distributed_backend=None, tp_comm_overlap=True), "--tp-comm-overlap conflicts"),
     # Issue 12: what iteration 1 used to find (a ScheduleError traceback naming the CLI's flag) and
     # what the first save used to find, now refused at start-up.
@@ -176,6 +173,15 @@ def test_megatron_own_and_unsplit_schedules_allow_overlap_features():
     for name in ("1f1b", "gpipe"):
         args = megatron_like(pipeline_schedule=name, cpu=False, distributed_backend=None, overlap_grad_reduce=True)
         assert problems(args) == []
+
+
+@pytest.mark.parametrize("name", ["zb-1p", "v-min", "v-half", "v-zb"])
+def test_split_schedules_allow_dp_overlap_and_recomputation(name):
+    """Megatron's recipes: DP overlap (buckets launch at their last W) and both recomputation modes."""
+    for features in (dict(overlap_grad_reduce=True, overlap_param_gather=True, use_distributed_optimizer=True),
+                     dict(recompute_granularity="selective"),
+                     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+        assert problems(megatron_like(pipeline_schedule=name, num_layers=8, **features)) == [], features
 
 
 @pytest.mark.parametrize("limit", [0.5, 1.0, None])
