@@ -125,5 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 DELEGATED = {
     "plan": ("megatron_vshape.planner.cli", "cost model + search: predict MFU, bubble and memory of layouts"),
     "optimize": ("megatron_vshape.optimize_cli", "the exact schedule of a small cell (OR-Tools CP-SAT; the solver extra)"),
+    "check-flags": ("megatron_vshape.megatron.check_flags",
+                    "check pretrain_gpt.py flags (parser + start-up checks, no GPU): accepted, or the refusal"),
     "verify": ("megatron_vshape.verify", "run one iteration on CPU or GPU ranks (--device cuda) and compare with a one-process run"),
 }

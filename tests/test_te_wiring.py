@@ -1,4 +1,4 @@
-"""Transformer Engine and split schedules: the split layer spec, chosen automatically, and refusals.
+"""Transformer Engine and split schedules: the split layer spec, TE's own deferral, and refusals.
 
 No TE can be installed here (a partial transformer-engine package breaks ``import megatron.core``), so
 TE's Python API is stood in for in-process only, as far as the wiring needs: megatron's TE module's
@@ -114,6 +114,91 @@ class _TELinear(torch.nn.Module):
 def test_te_linears_in_a_split_schedule_are_refused_naming_the_alternative():
     attention, _ = fake_te_classes()
     chunk = torch.nn.Sequential(torch.nn.Linear(4, 4), _TELinear())
-    with pytest.raises(WgradError, match=r"v-half splits B and W.*\(_TELinear\).*split layer spec.*--transformer-impl local"):
+    with pytest.raises(WgradError, match=r"v-half splits B and W.*\(_TELinear\).*without delay_wgrad_compute.*"
+                                         r"drop --spec.*--transformer-impl local"):
         te_wgrad.check_te_split([chunk], "v-half")
     assert te_wgrad.te_linear_names([torch.nn.Linear(4, 4)]) == []
+
+
+class _MegatronWrapper(_TELinear):
+    """What megatron's TE wrappers are: a class of megatron's own module subclassing a TE layer."""
+
+    __module__ = "megatron.core.extensions.transformer_engine"
+
+
+def test_te_layers_are_recognised_through_their_base_classes():
+    """Every real TE layer of a megatron model is a megatron wrapper: recognition by the module's own class
+    alone would miss them all (and let their weight gradients run in B unnoticed)."""
+    wrapper = _MegatronWrapper()
+    assert te_wgrad.is_te_linear(wrapper)
+    with pytest.raises(WgradError, match=r"\(_MegatronWrapper\)"):
+        te_wgrad.check_te_split([torch.nn.Sequential(wrapper)], "v-zb")
+
+
+class _Queue:
+    """TE's per-module deferral contract, in two lines: put in backward, backward_dw pops the oldest."""
+
+    def __init__(self):
+        self.entries, self.popped = [], []
+
+    def delay_wgrad_compute(self):
+        return True
+
+
+class _DeferringTELinear(_MegatronWrapper):
+    def __init__(self):
+        super().__init__()
+        self.wgrad_store = _Queue()
+
+    def backward_dw(self):  # found on the TE base in a real run; here the wrapper's own
+        self.wgrad_store.popped.append(self.wgrad_store.entries.pop(0))
+
+
+class _Store:
+    def __init__(self):
+        self.tasks = []
+
+    def defer(self, task):
+        self.tasks.append(task)
+
+
+def test_deferring_te_linears_are_accepted_and_a_w_out_of_b_order_is_refused():
+    layer = _DeferringTELinear()
+    chunk = torch.nn.Sequential(layer)
+    te_wgrad.check_te_split([chunk], "v-zb")  # defers W itself: no refusal
+    store = _Store()
+    for mb in (0, 1):  # two B passes: TE queued mb 0's entry, then mb 1's
+        layer.wgrad_store.entries.append(mb)
+        assert te_wgrad.defer_te_wgrads(store, (0, mb), chunk) == 1
+    first, second = store.tasks
+    assert first.weight is layer.weight  # the store's gradient-ready tracking reads task.weight
+    with pytest.raises(WgradError, match=r"W of \(0, 1\) would pop \(0, 0\)'s weight gradient.*out of B order"):
+        second()
+    first()
+    second()
+    assert layer.wgrad_store.popped == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_split_schedule_defers_w_through_te_backward_dw_with_the_te_standin(mc19_python):
+    """megatron's own TE wrappers over the TE stand-in (TE 2.8's contract), the TE split spec, v-half on
+    two pipeline ranks: W runs through backward_dw(), gradients equal a fused run's, counts > 0 on every rank."""
+    import json
+    import subprocess
+
+    from megatron_vshape.testing.te_standin_check import environment
+
+    result = subprocess.run([mc19_python, "-m", "megatron_vshape.testing.te_standin_check", "v-half"],
+                            env=environment(), capture_output=True, text=True, timeout=280)
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT")]
+    assert lines, result.stderr[-4000:]
+    rows = json.loads(lines[0][len("RESULT"):])["rows"]
+    assert sorted(r["pp_rank"] for r in rows) == [0, 1]
+    for row in rows:
+        got = row["results"]["v-half"]
+        assert got["max_grad_rel_err"] <= 1e-6 and got["max_loss_abs_err"] <= 1e-6, row
+        assert got["wgrad_deferred"] > 0 and got["wgrad_run"] == got["wgrad_deferred"], row
+        # 2 layers per V chunk, 2 chunks, 4 microbatches: qkv+fc1 (LayerNorm+Linear) and proj+fc2 (Linear)
+        assert row["backward_dw_calls"] == {"DeferringTELayerNormColumnParallelLinear": 2 * 2 * 2 * 4,
+                                            "DeferringTERowParallelLinear": 2 * 2 * 2 * 4}, row

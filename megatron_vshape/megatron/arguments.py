@@ -193,7 +193,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Apply --cpu's settings and unmark the defaults add_arguments marked. Idempotent."""
     # These modules import this one's flags and defaults, so not at the top.
     from . import hybrid_layout
-    from .feature_checks import uses_split_spec
+    from .feature_checks import TE_SPLIT_SPEC_ARG, SplitRoute, split_route, split_route_reason, uses_split_spec
     from .sizes import schedule_of, splits_backward
 
     cpu = getattr(args, "cpu", False)
@@ -212,10 +212,15 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if hybrid_layout.is_hybrid(args):
         # HybridModel: torch layers on CPU, megatron's linears for a split schedule on TE (hybrid_spec).
         args.spec = hybrid_layout.spec_arg(args, splits_backward(schedule_of(args)))
+    elif split_route(args) is SplitRoute.TE_DEFERRAL:
+        # TE >= 2.3: TE's own linears, each deferring its W to backward_dw() (layer_spec's TE split spec).
+        args.spec = list(TE_SPLIT_SPEC_ARG)
     elif uses_split_spec(args):
         # TE's linears would keep W in B: megatron's linears with TE attention and norms instead
         # (megatron_vshape.megatron.layer_spec), through Megatron's own --spec.
         args.spec = list(SPLIT_SPEC_ARG)
+        if getattr(args, "rank", 0) == 0:  # one line saying why TE's own deferral is not used
+            print(f" [vshape] {split_route_reason(args)}", flush=True)
     for dest in ("schedule_invariant_dropout", "schedule_invariant_init"):
         if getattr(args, dest, None) is None:
             setattr(args, dest, schedule_of(args) is not None)

@@ -8,11 +8,16 @@ has the signature of :data:`.sizes.Check`; ``checks.CHECKS`` runs them in order.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from importlib import metadata
 
 from .arguments import SPLIT_SPEC_ARG, effective
-from .sizes import schedule_of, splits_backward
+from .sizes import Sizes, schedule_of, splits_backward
+
+# Megatron's --spec for split schedules on Transformer Engine >= 2.3 (TE's linears, TE's deferred W).
+TE_SPLIT_SPEC_ARG = ["megatron_vshape.megatron.layer_spec", "gpt_te_split_layer_spec"]
+TE_DEFERRAL_MIN_VERSION = (2, 3)
 
 
 def check_cpu_backend(args, sizes) -> str | None:
@@ -44,7 +49,8 @@ _SPLIT_CONFLICTS = (
     ("--delay-wgrad-compute", "delay_wgrad_compute",
      "the schedule defers W itself, in megatron's linear layers; TE's deferral is for its MoE overlap"),
     ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", "the schedule already defers W"),
-    ("--tp-comm-overlap", "tp_comm_overlap", "TE's userbuffer overlap is not wired to deferred W yet"),
+    ("--tp-comm-overlap", "tp_comm_overlap",
+     "it needs Transformer Engine >= 2.3's linears, which defer W through backward_dw()"),
     ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", "it has its own wgrad schedule"),
     ("--cpu-offloading-num-layers", "cpu_offloading_num_layers", "offloading hooks assume a fused backward"),
     ("--moe-grouped-gemm", "moe_grouped_gemm",
@@ -52,11 +58,18 @@ _SPLIT_CONFLICTS = (
 )
 
 
+# What Transformer Engine's own linears bring to a split schedule on the TE route (split_route).
+_TE_ROUTE_ACCEPTS = frozenset({"tp_comm_overlap", "moe_grouped_gemm"})
+
+
 def check_split_conflicts(args, sizes) -> str | None:
     name = schedule_of(args)
     if not splits_backward(name):
         return None
+    te_route = split_route(args) is SplitRoute.TE_DEFERRAL
     for flag, dest, why in _SPLIT_CONFLICTS:
+        if te_route and dest in _TE_ROUTE_ACCEPTS:
+            continue
         if getattr(args, dest, None):
             return (f"{flag} conflicts with --pipeline-schedule {name} ({why}); drop {flag} or use a "
                     "schedule without B/W split (1f1b, interleaved-1f1b, gpipe)")
@@ -81,27 +94,81 @@ def apex_wgrad_kernel_installed() -> bool:
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
+class SplitRoute(enum.Enum):
+    """How a split schedule gets its weight gradients deferred (see docs/transformer-engine.md)."""
+
+    NONE = "no split on Transformer Engine"  # fused schedule, local layers, or the user's own --spec
+    SPLIT_SPEC = "split layer spec"  # megatron's linears (its wgrad hook), TE's attention and norms
+    TE_DEFERRAL = "TE deferral"  # TE's linears with delay_wgrad_compute, W through backward_dw()
+
+
+def te_version_of(args) -> tuple[int, ...] | None:
+    """The TE version the checks assume: ``vshape check-flags --te-version``, else the installed one."""
+    declared = getattr(args, "vshape_te_version", None)
+    return tuple(declared) if declared is not None else installed_te_version()
+
+
+def _keeps_w_order(args) -> bool:
+    """Whether the schedule at this run's sizes runs W in B's order on every stage (TE's FIFO needs it)."""
+    from .. import schedules
+    from ..schedules.validator import keeps_w_order
+
+    sizes = Sizes.from_args(args)
+    if sizes.num_microbatches is None or sizes.pp < 1:
+        return True  # other checks refuse these sizes
+    limit = getattr(args, "pipeline_memory_limit", None)
+    try:
+        kwargs = {"memory_limit": limit} if limit is not None else {}
+        return keeps_w_order(schedules.get_schedule(schedule_of(args), sizes.pp, sizes.num_microbatches, **kwargs))
+    except (schedules.ScheduleError, ValueError):
+        return True  # other checks refuse this schedule
+
+
+def split_route(args, te_version: Callable[[], tuple | None] | None = None) -> SplitRoute:
+    """The route of this run: TE's deferral when TE >= 2.3 and the schedule keeps W in B's order."""
+    if not (splits_backward(schedule_of(args)) and effective(args, "transformer_impl") == "transformer_engine"
+            and getattr(args, "spec", None) in (None, SPLIT_SPEC_ARG, TE_SPLIT_SPEC_ARG)):
+        return SplitRoute.NONE
+    version = te_version() if te_version is not None else te_version_of(args)
+    if version is not None and version[:2] >= TE_DEFERRAL_MIN_VERSION and _keeps_w_order(args):
+        return SplitRoute.TE_DEFERRAL
+    return SplitRoute.SPLIT_SPEC
+
+
+def split_route_reason(args) -> str:
+    """One line: the route, and on the split layer spec why not TE's deferral (for the log and check-flags)."""
+    route = split_route(args)
+    if route is not SplitRoute.SPLIT_SPEC:
+        return route.value
+    version = te_version_of(args)
+    if version is None or version[:2] < TE_DEFERRAL_MIN_VERSION:
+        found = "not installed" if version is None else ".".join(map(str, version))
+        return f"{route.value}: TE's deferred W needs Transformer Engine >= 2.3 (found {found})"
+    return (f"{route.value}: --pipeline-schedule {schedule_of(args)} runs some stage's W passes out of B order, "
+            "which TE's first-in first-out deferral cannot serve")
+
+
 def uses_split_spec(args) -> bool:
-    """Split schedule on Transformer Engine without a --spec of the user's: the split layer spec is used."""
-    return (splits_backward(schedule_of(args)) and effective(args, "transformer_impl") == "transformer_engine"
-            and getattr(args, "spec", None) in (None, SPLIT_SPEC_ARG))
+    """Split schedule on Transformer Engine below 2.3 without a --spec of the user's: the split layer spec."""
+    return split_route(args) is SplitRoute.SPLIT_SPEC
 
 
-def check_te_split(args, sizes, te_version: Callable[[], tuple | None] = installed_te_version,
+def check_te_split(args, sizes, te_version: Callable[[], tuple | None] | None = None,
                    wgrad_kernel: Callable[[], bool] = apex_wgrad_kernel_installed) -> str | None:
-    """Split schedules on TE get the split layer spec (megatron linears, TE attention and norms)."""
-    if not uses_split_spec(args):
-        return None
+    """Split schedules on TE: TE's own linears with TE >= 2.3, else the split layer spec and its limits."""
+    if split_route(args, te_version) is not SplitRoute.SPLIT_SPEC:
+        return None  # TE's linears (fp8/fp4, fused LayerNorm+Linear, grouped GEMM) or no split on TE
+    version = te_version() if te_version is not None else te_version_of(args)
     name = schedule_of(args)
     for dest, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format")):
         if getattr(args, dest, None):
-            return (f"{flag} needs Transformer Engine's linear layers, which --pipeline-schedule {name} replaces by "
-                    "megatron's (they split B and W); drop it or use a schedule without B/W split (1f1b, interleaved-1f1b)")
-    if te_version() is None:
+            return (f"{flag} needs Transformer Engine's linear layers, which --pipeline-schedule {name} keeps only with "
+                    "TE >= 2.3 (its deferred W); upgrade Transformer Engine, drop it or use a schedule without "
+                    "B/W split (1f1b, interleaved-1f1b)")
+    if version is None:
         return (f"--transformer-impl transformer_engine with --pipeline-schedule {name} uses TE's fused attention "
                 "and norms (Transformer Engine not installed); install it or use --transformer-impl local")
     if getattr(args, "gradient_accumulation_fusion", False) and not wgrad_kernel():
         return (f"--pipeline-schedule {name} runs megatron's linear layers, whose gradient accumulation fusion needs "
                 "apex's fused_weight_gradient_mlp_cuda (not installed); add --no-gradient-accumulation-fusion or install apex")
     return None
-

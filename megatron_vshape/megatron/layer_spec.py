@@ -136,3 +136,83 @@ class SpecFromTrainingArgs(ModuleSpec):
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(ModuleSpec))
 _SpecFromTrainingArgs = SpecFromTrainingArgs  # the name tests/test_te_wiring.py uses
 gpt_split_layer_spec = SpecFromTrainingArgs()
+
+
+# --- the TE split spec: Transformer Engine's own linears, with TE's deferred weight gradient -------------
+#
+# With TE >= 2.3 a split schedule keeps TE's linears (FP8/FP4, fused LayerNorm+Linear, grouped GEMM,
+# userbuffer TP overlap) and defers W through TE itself: each linear is built with
+# ``delay_wgrad_compute=True`` and the W pass calls its ``backward_dw()`` (runtime/te_wgrad.py).
+# Megatron passes that keyword to TE only when ``config.delay_wgrad_compute`` is set, which its
+# TransformerConfig refuses without its MoE overlap schedule, and its wrappers' ``backward_dw()`` is a
+# no-op without it. So the config is left alone: each wrapper class gets a subclass whose MRO puts a
+# small TE subclass between megatron's wrapper and TE's module. Megatron's ``__init__`` runs unchanged
+# and its ``super().__init__(...)`` reaches the insert, which adds the keyword; ``backward_dw`` goes
+# straight to TE's.
+
+TE_WRAPPERS = ("TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear",
+               "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
+
+
+def te_module_base(wrapper: type) -> type:
+    """The Transformer Engine class a megatron wrapper subclasses (first TE class in its MRO)."""
+    for cls in wrapper.__mro__:
+        if cls.__module__.startswith("transformer_engine"):
+            return cls
+    raise SplitSpecError(f"{wrapper.__name__} does not subclass a Transformer Engine module")
+
+
+@functools.cache
+def deferring(wrapper: type) -> type:
+    """``wrapper`` (a megatron TE linear) building its TE module with ``delay_wgrad_compute=True``."""
+    base = te_module_base(wrapper)
+
+    def __init__(self, *args, **kwargs):  # noqa: N807 - the TE module's constructor, one keyword added
+        kwargs["delay_wgrad_compute"] = True
+        base.__init__(self, *args, **kwargs)
+
+    insert = type(f"Deferred{base.__name__}", (base,), {"__init__": __init__, "__module__": __name__})
+    return type(f"Deferring{wrapper.__name__}", (wrapper, insert),
+                {"backward_dw": base.backward_dw, "__module__": __name__,
+                 "__doc__": f"megatron's {wrapper.__name__}; TE defers its weight gradient to backward_dw()."})
+
+
+def _deferring_table() -> dict[type, type]:
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    if not te_ext.HAVE_TE:
+        raise SplitSpecError("the TE split spec needs Transformer Engine >= 2.3 (not installed): "
+                             "use --transformer-impl local")
+    wrappers = (getattr(te_ext, name, None) for name in TE_WRAPPERS)
+    return {w: deferring(w) for w in wrappers if isinstance(w, type)}
+
+
+def te_deferral_available() -> bool:
+    """Transformer Engine >= 2.3 is importable (megatron's own check): TE's linears can defer W."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.utils import is_te_min_version
+
+    return bool(te_ext.HAVE_TE) and is_te_min_version("2.3.0")
+
+
+def te_split_layer_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, multi_latent_attention=False,
+                        qk_l2_norm=False, **te_spec_kwargs):
+    """megatron's TE layer spec with every TE linear deferring its weight gradient (see above)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm,
+                                                      multi_latent_attention, qk_l2_norm=qk_l2_norm, **te_spec_kwargs)
+    return _replace(spec, _deferring_table())
+
+
+def te_split_layer_spec_from_args(args):
+    """The TE split spec for megatron.training's parsed arguments."""
+    return te_split_layer_spec(
+        num_experts=getattr(args, "num_experts", None), moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+        qk_layernorm=getattr(args, "qk_layernorm", False),
+        multi_latent_attention=getattr(args, "multi_latent_attention", False),
+        qk_l2_norm=getattr(args, "qk_l2_norm", False),
+    )
+
+
+gpt_te_split_layer_spec = SpecFromTrainingArgs(te_split_layer_spec_from_args)

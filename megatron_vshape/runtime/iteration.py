@@ -26,7 +26,7 @@ from megatron_vshape.schedules import (
 )
 from megatron_vshape.schedules.exchange import forward_only_plan as _forward_only_plan
 
-from . import compat
+from . import compat, te_wgrad
 from .active_stage import running_stage
 from .grad_sync import BucketLauncher
 from .p2p import PlanExchange, local_device
@@ -86,7 +86,8 @@ class Iteration:
         plan = plans[self.rank]
         self.plan = _forward_only_plan(plan) if forward_only else plan
         self.program = executor.exchange_program(num_devices, num_microbatches, forward_only, self.rank)
-        self.deferred = set() if forward_only else _deferred_backwards(self.schedule, self.plan)
+        self.deferred = set() if forward_only else (_deferred_backwards(self.schedule, self.plan)
+                                                     | te_wgrad.te_deferred_backwards(self.plan, models))
         if self.deferred:
             executor._wgrad.check_models(models, executor.schedule_name)
         # --overlap-grad-reduce with deferred W: buckets launch at their params' last W (grad_sync.py).

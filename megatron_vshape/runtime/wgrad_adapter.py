@@ -26,11 +26,12 @@ class WeightGradAdapter:
 
     @contextlib.contextmanager
     def capture(self, key, chunk_model, schedule_name: str):
-        from . import wgrad
+        from . import te_wgrad, wgrad
 
         store = self._get()
         with store.capture(key):
             yield
+            te_wgrad.defer_te_wgrads(store, key, chunk_model)  # TE linears queued their W themselves
         wgrad.check_deferred(store, key, chunk_model, schedule_name)
 
     def run(self, key, after_task=None) -> None:

@@ -75,10 +75,10 @@ def layer_spec(config, num_layers_in_chunk: int, spec_name: str = "local", split
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if spec_name == "te":
-        if split:
-            from megatron_vshape.megatron.layer_spec import split_layer_spec
+        if split:  # as the training glue picks it: TE's own deferral from TE 2.3 on, else the split spec
+            from megatron_vshape.megatron.layer_spec import split_layer_spec, te_deferral_available, te_split_layer_spec
 
-            return split_layer_spec()
+            return te_split_layer_spec() if te_deferral_available() else split_layer_spec()
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()

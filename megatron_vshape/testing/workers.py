@@ -76,6 +76,8 @@ def _reference_run(model: ModelSettings, num_microbatches: int, out_path: str, d
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from megatron_vshape.runtime.te_wgrad import run_te_wgrads_now
+
     if device == "cpu":
         from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
 
@@ -96,6 +98,7 @@ def _reference_run(model: ModelSettings, num_microbatches: int, out_path: str, d
         loss = output.float().mean()
         losses.append(loss.item())
         (loss / num_microbatches).backward()
+        run_te_wgrads_now(gpt)  # TE linears that defer W (the TE split spec): their W right after B
         for n, p in gpt.named_parameters():
             grads[n] += p.grad.float()
             p.grad = None

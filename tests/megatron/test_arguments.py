@@ -143,14 +143,16 @@ def test_split_schedule_on_te_needs_te_and_refuses_what_megatron_linears_cannot_
                          gradient_accumulation_fusion=True)
     sizes = vchecks.Sizes.from_args(args)
 
-    def check(**kw):
-        return vchecks.check_te_split(args, sizes, **{"te_version": lambda: (2, 8, 0), "wgrad_kernel": lambda: True, **kw})
+    def check(**kw):  # TE 2.2: the split layer spec (TE's own deferral needs 2.3)
+        return vchecks.check_te_split(args, sizes, **{"te_version": lambda: (2, 2, 0), "wgrad_kernel": lambda: True, **kw})
 
     assert check() is None
     assert "install it or use --transformer-impl local" in check(te_version=lambda: None)
     assert "add --no-gradient-accumulation-fusion" in check(wgrad_kernel=lambda: False)
     args.fp8 = "hybrid"
     assert check().startswith("--fp8-format needs Transformer Engine's linear layers")
+    # TE >= 2.3: TE's own linears defer W (the TE split spec): FP8 and no apex kernel needed.
+    assert check(te_version=lambda: (2, 3, 0), wgrad_kernel=lambda: False) is None
     args.fp8 = None
     args.pipeline_schedule = "1f1b"  # Megatron's own schedule: TE's own spec, no check
     assert check(te_version=lambda: None) is None
