@@ -57,3 +57,40 @@ def test_at_least_as_good_as_the_authors(cell):
     assert bubble == pytest.approx(result.bubble_rate, abs=1e-9)  # same definition as ours
     assert bubble <= cell["bubble_rate"] + TOLERANCE, f"bubble {bubble:.4f} vs theirs {cell['bubble_rate']}"
     assert result.peak_memory_max <= cell["peak_units_max"] + 1e-9
+
+
+def _paper_rows():
+    import sys
+
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import paper_rows
+
+    return paper_rows
+
+
+def test_paper_orderings_closer_than_one_percent_are_ties():
+    """Issue 22's rule: a paper ordering whose two numbers differ by < 1 % matches either predicted order."""
+    rows = _paper_rows()
+
+    def ordering(paper_a, paper_b, predicted_a, predicted_b):
+        recs = [{"setting": "S", "metric": "MFU %", "schedule_before": "a", "schedule_after": "b",
+                 "paper_before": paper_a, "paper_after": paper_b,
+                 "predicted_before": predicted_a, "predicted_after": predicted_b}]
+        (only,) = rows.setting_orderings(recs)
+        return only
+
+    # The paper's 98.5B seq 3072 pair: 1F1B 62.95 vs V-ZB 62.56 (0.6 %), predicted the other way round.
+    tie = ordering(62.95, 62.56, 60.0, 61.0)
+    assert tie["paper_tie"] and tie["matches"]
+    assert ordering(62.95, 62.56, 61.0, 60.0)["matches"]
+    # 2 % apart is an ordering, not a tie: the reversed prediction misses it.
+    apart = ordering(62.95, 61.7, 60.0, 61.0)
+    assert not apart["paper_tie"] and not apart["matches"]
+    # A missing prediction (OOM) never matches, tie or not.
+    assert not ordering(62.95, 62.56, None, 61.0)["matches"]
+    seq3072 = [r for r in rows.ROWS if r.source == "seq 3072, batch 640"]
+    papers = {name: value for r in seq3072 for name, value in ((r.schedule_before, r.paper_before),
+                                                               (r.schedule_after, r.paper_after))}
+    assert abs(papers["1f1b"] - papers["v-zb"]) / papers["v-zb"] < rows.PAPER_TIE
