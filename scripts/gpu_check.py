@@ -160,10 +160,24 @@ def verify_step(python: str, schedule: str, pp: int, spec: str, timeout: float, 
     return Step(f"verify {schedule} pp{pp} {spec} bf16", "verify", argv, timeout, env, group)
 
 
+# HybridModel with Mamba-2 layers: in the split spec Mamba's in/out projections are megatron linears, so B
+# defers their weight gradients to W; V-ZB at PP=1 against one process (megatron_vshape.testing.tiny_hybrid).
+MAMBA_PATTERN = "M*M-M*M-"
+
+
+def hybrid_step(python: str, timeout: float) -> Step:
+    argv = [python, "-m", "megatron_vshape.testing.tiny_hybrid", "--pattern", MAMBA_PATTERN, "--schedule", "v-zb",
+            "--pp", "1", "--device", "cuda", "--spec", "split", "--hidden-size", "128", "--grad-tol", "1e-4",
+            "--timeout", str(int(timeout))]
+    return Step(f"hybrid {MAMBA_PATTERN} v-zb pp1 split", "verify", argv, timeout,
+                {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "single")
+
+
 def build_steps(args: argparse.Namespace, gpus: int) -> list[Step]:
     py = args.python
     steps = [verify_step(py, s, 1, spec, args.verify_timeout, "single")
              for spec in SPECS for s in SINGLE_GPU_SCHEDULES]
+    steps.append(hybrid_step(py, args.verify_timeout))
     bench_json = args.log_dir / "bench_wgrad.json"
     steps.append(Step("bench_wgrad hidden 4096 bf16", "bench",
                       [py, str(ROOT / "scripts" / "bench_wgrad.py"), "--hidden", "4096", "--dtype", "bf16",

@@ -55,7 +55,9 @@ def test_dry_run_one_gpu_lists_the_single_gpu_checks():
     assert len(pretrain) == 1
     assert value(pretrain[0], "--train-iters") == "20" and value(pretrain[0], "--nproc-per-node") == "1"
     assert "--pipeline-model-parallel-size" not in pretrain[0] and "--log-throughput" in pretrain[0]
-    assert len(commands) == 8
+    hybrid = [c for c in commands if "megatron_vshape.testing.tiny_hybrid" in c]  # a Mamba pattern on a V
+    assert len(hybrid) == 1 and "M" in value(hybrid[0], "--pattern") and value(hybrid[0], "--device") == "cuda"
+    assert len(commands) == 9
 
 
 @pytest.mark.slow

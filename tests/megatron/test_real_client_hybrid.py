@@ -1,0 +1,117 @@
+"""NVIDIA Megatron-LM's own ``pretrain_hybrid.py`` (HybridModel, tag core_v0.19.0, unmodified), on CPU with gloo.
+
+``--cpu`` builds HybridModel from megatron-core's torch layers (``megatron_vshape.megatron.hybrid_spec``);
+every schedule must print Megatron's own 1F1B losses (to 1e-5), in training and in the evaluations.
+
+The matrix, chosen to fit the CI budget (each launch is mostly start-up, 2-core CI):
+
+* One pattern holds both families the issue names, ``*-`` x 4 and ``*E`` x 4 (MoE: 4 experts, top-2),
+  interleaved: ``*-*E*-*E*-*E*-*E``. On a V at PP 2 each of the 4 stages holds ``*-*E``; at PP 4 each of
+  the 8 stages holds one ``*-`` or one ``*E``, so every rank runs dense and MoE layers.
+* PP 2, 2 ranks: Megatron's 1F1B (the reference; it saves a checkpoint at iteration 2), then zb-1p,
+  v-min, v-half and v-zb from scratch: 3 iterations and the three evaluations each.
+* PP 4, 4 ranks, once: v-zb resumes the PP 2 1F1B checkpoint at iteration 2. That one launch checks V at
+  PP 4 and "a HybridModel checkpoint saved under one schedule resumes under another" (and another PP):
+  iteration 3 and the evaluations must equal 1F1B's.
+* GPTModel to HybridModel: Megatron-LM's ``pretrain_gpt.py`` (1F1B, 4 layers) saves at iteration 2;
+  ``pretrain_hybrid.py`` with ``*-*-*-*-`` under v-half loads it (Megatron translates GPT layer i into
+  hybrid layers 2i and 2i+1 at load time) and its first step must print GPT's iteration-3 loss. Dropout is
+  off in this pair: the invariant dropout streams are per layer number, and GPT layer i is two hybrid layers.
+
+MoE runs with ``--disable-bias-linear``: megatron-core 0.19.2's SequentialMLP adds the expert bias in
+place on a view (autograd refuses it, under every schedule); the GPT MoE runs of this project do the same.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from glue_support import LOSS, launch_ranks
+from test_real_client import EVAL_LOSS, assert_same_losses, client_dir  # noqa: F401 (client_dir: a fixture)
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
+PATTERN = "*-*E*-*E*-*E*-*E"
+MOE = "--num-experts 4 --moe-router-topk 2 --disable-bias-linear".split()
+COMMON = ("--cpu --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+          "--micro-batch-size 2 --global-batch-size 16 --train-iters 3 --lr 1e-3 --mock-data "
+          "--tokenizer-type NullTokenizer --vocab-size 128 --log-interval 1 --eval-interval 3 --eval-iters 1").split()
+NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0".split()
+EVALUATIONS = ["eval 3", "eval 3 on test set", "eval 3 on validation set"]
+RUN_TIMEOUT = 300
+SCHEDULES_PP2 = ("zb-1p", "v-min", "v-half", "v-zb")
+
+
+def train(python: str, script: Path, schedule: str, pp: int, flags: list[str], iterations: list[int]) -> dict:
+    """Launch ``pp`` ranks; return {iteration: lm loss, evaluation: lm loss} (a crash or hang fails the test)."""
+    result = launch_ranks(python, pp, ["-m", "megatron_vshape.run", str(script)],
+                          ["--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(pp), *COMMON, *flags],
+                          timeout=RUN_TIMEOUT)
+    assert result.returncode == 0, f"{schedule} PP {pp} exited {result.returncode}:\n{result.stdout[-5000:]}"
+    found = {int(i): float(v) for i, v in LOSS.findall(result.stdout)}
+    assert sorted(found) == iterations, result.stdout[-3000:]
+    evaluations = {f"eval {i}{where}": float(v) for i, where, v in EVAL_LOSS.findall(result.stdout)}
+    assert sorted(evaluations) == EVALUATIONS, result.stdout[-3000:]
+    return {**found, **evaluations, "stdout": result.stdout}
+
+
+def hybrid(client: Path) -> Path:
+    return client / "pretrain_hybrid.py"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hybrid-checkpoints")
+
+
+@pytest.fixture(scope="module")
+def megatron_1f1b(mc19_python, client_dir, checkpoints) -> dict:  # noqa: F811 (client_dir: the fixture above)
+    """Megatron's own 1F1B on the unmodified script, PP 2; saves at iteration 2 for the resume below."""
+    losses = train(mc19_python, hybrid(client_dir), "1f1b", 2,
+                   ["--hybrid-layer-pattern", PATTERN, *MOE, "--save", str(checkpoints / "hybrid"), "--save-interval", "2"],
+                   [1, 2, 3])
+    assert losses[3] < losses[1], "training must make progress"
+    assert (checkpoints / "hybrid" / "iter_0000002").is_dir()
+    return losses
+
+
+def _losses(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "stdout"}
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+@pytest.mark.parametrize("schedule", SCHEDULES_PP2)
+def test_every_schedule_trains_hybrid_model_like_megatron_1f1b(mc19_python, client_dir, megatron_1f1b,  # noqa: F811
+                                                               schedule):
+    losses = train(mc19_python, hybrid(client_dir), schedule, 2, ["--hybrid-layer-pattern", PATTERN, *MOE], [1, 2, 3])
+    assert_same_losses(_losses(megatron_1f1b), _losses(losses))
+    if schedule.startswith("v-"):  # the V placement of the pattern's stages, as the start-up line says
+        assert " [vshape] hybrid pattern stages: *-*E | *-*E | *-*E | *-*E (V: device i holds stages i and 2d-1-i)" \
+            in losses["stdout"]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+def test_pp4_v_zb_resumes_the_1f1b_checkpoint(mc19_python, client_dir, megatron_1f1b, checkpoints):  # noqa: F811
+    """Saved by 1F1B at PP 2, resumed by V-ZB at PP 4 (8 V stages of one block each): iteration 3 and the
+    evaluations are 1F1B's."""
+    losses = train(mc19_python, hybrid(client_dir), "v-zb", 4,
+                   ["--hybrid-layer-pattern", PATTERN, *MOE, "--load", str(checkpoints / "hybrid"), "--ckpt-step", "2"],
+                   [3])
+    assert "successfully loaded checkpoint" in losses["stdout"]
+    assert re.search(r"hybrid pattern stages: \*- \| \*E \| \*- \| \*E \| \*- \| \*E \| \*- \| \*E", losses["stdout"])
+    reference = _losses(megatron_1f1b)
+    assert_same_losses({k: v for k, v in reference.items() if k not in (1, 2)}, _losses(losses))
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+def test_gpt_checkpoint_resumes_as_hybrid_model_under_v_half(mc19_python, client_dir, checkpoints):  # noqa: F811
+    """Megatron's load-time GPT -> HybridModel translation under a V schedule: the first step's loss is GPT's."""
+    gpt = train(mc19_python, client_dir / "pretrain_gpt.py", "1f1b", 2,
+                ["--num-layers", "4", *NO_DROPOUT, "--save", str(checkpoints / "gpt"), "--save-interval", "2"], [1, 2, 3])
+    resumed = train(mc19_python, hybrid(client_dir), "v-half", 2,
+                    ["--hybrid-layer-pattern", "*-*-*-*-", *NO_DROPOUT, "--load", str(checkpoints / "gpt"),
+                     "--ckpt-step", "2"], [3])
+    assert "loading a GPT checkpoint into the hybrid model: 4 GPT layers feed 4 attention and 4 MLP" in resumed["stdout"]
+    assert abs(resumed[3] - gpt[3]) <= 1e-5 * abs(gpt[3]), (gpt[3], resumed[3])
