@@ -13,8 +13,8 @@ those rules. This module only executes it:
 * :class:`PlanExchange` issues the program's operations from the calling (compute) thread, in
   program order: a POST is one ``batch_isend_irecv`` on the pair's group, a WAIT calls
   ``Work.wait()`` on its works (on NCCL that makes the current stream wait; on gloo it blocks the
-  CPU). The program waits for a receive right before the pass that needs it and for a send a pass
-  later, so several posted operations may be outstanding; they were posted in the one global order
+  CPU). The program waits for a receive right before the pass that needs it and for a send 2d
+  passes later, so several posted operations may be outstanding; they were posted in the one global order
   that makes that safe (see ``schedules/exchange.py``), and no thread waits on NCCL work.
   Untagged NCCL pairs the n-th send with the n-th receive of a channel; both sides post in the
   program's order, so each tensor lands in the buffer meant for it (megatron's batched p2p, which

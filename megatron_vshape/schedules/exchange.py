@@ -19,7 +19,7 @@ Policy: **one global order of pairwise rendezvous.**
   fused into one batch (a send and a receive posted together, as Megatron's
   ``send_forward_recv_backward``), which is the same as moving them next to each other in G.
 * Waits are as late as allowed (:func:`_emit`): a receiving batch right before the first pass that
-  consumes it, a send-only batch at least one pass later (after the next receive-waits). Posting stays in G
+  consumes it, a send-only batch 2d passes later (or at the end). Posting stays in G
   order; only the waits move. On gloo a wait blocks the host, so a sender no longer stops until a
   busy receiver reaches the slot, and a receiver still runs the passes that do not need the
   message. On NCCL a wait only orders the streams.
@@ -54,6 +54,9 @@ from .drive import drive
 from .schedule import Costs
 
 PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
+# A send-only batch is waited for this many passes per pipeline rank after it (about a pipeline's
+# worth of passes: the receiver has posted by then; at most that many sent tensors stay alive).
+SEND_SLACK_PER_RANK = 2
 
 
 class Comm(NamedTuple):
@@ -157,7 +160,9 @@ def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
         if not event.is_pass:
             sequences[event.b].append(event)
     batches = _fuse(sequences)
-    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, eager_waits) for rank in range(len(plans)))
+    slack = SEND_SLACK_PER_RANK * len(plans)
+    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits)
+                 for rank in range(len(plans)))
 
 
 def _send_orders(plans) -> dict[tuple[int, int], list[Message]]:
@@ -243,29 +248,34 @@ def _fuse(sequences) -> dict[_Event, int]:
     return batches
 
 
-def _emit(rank, sequence, batches, plan: DevicePlan, sends, eager_waits: bool = False) -> tuple[Op, ...]:
+def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_waits: bool = False) -> tuple[Op, ...]:
     """This rank's operations: each batch POSTed at its place in G; its WAIT as late as allowed.
 
     A batch that receives is waited for right before the first pass that consumes one of its
-    messages; a batch that only sends, right after the first receive-waits that follow the pass after
-    it (at least one pass of slack, and a wait that the host was doing anyway: the sender does not
-    stop for a receiver that is still busy, and sent tensors live about a pass longer); whatever is
-    left, at the end.
+    messages. A batch that only sends is waited for ``slack`` passes after it (after that pass's
+    receive-waits), or at the end: a gloo send completes only once the receiver has posted its
+    receive, which it does at its own place in G, so a sender that waited at once stopped until a
+    busy receiver got there; the slack bounds how many sent tensors stay alive (on GPU the output
+    a send holds is freed at its wait).
     """
     ops: list[Op] = []
     current: list[Transfer] = []
     current_batch = None
     unwaited: dict[int, bool] = {}  # POST position -> it receives; in post order
     receiving: dict[Message, int] = {}  # received message -> its POST position
-    aged: list[int] = []  # send-only POSTs with a pass issued after them
+    sending: list[tuple[int, int]] = []  # send-only POSTs not waited for: (passes issued before it, position)
+    passes = 0
 
     def close():
         if current:
             src, dst = current[0].src, current[0].dst
             ops.append(Op(OpKind.POST, Comm.of(PAIR_GROUP, src, dst), tuple(current)))
             position = len(ops) - 1
-            unwaited[position] = any(t.dst == rank for t in current)
+            receives = any(t.dst == rank for t in current)
+            unwaited[position] = receives
             receiving.update((t.message, position) for t in current if t.dst == rank)
+            if not receives:
+                sending.append((passes, position))
             current.clear()
             if eager_waits:
                 wait(position)
@@ -278,15 +288,12 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, eager_waits: bool = 
         if event.is_pass:
             close()
             current_batch = None
-            needed = sorted({receiving[m] for m in plan.steps[event.b].recvs if receiving.get(m) in unwaited})
-            if needed:
-                for position in needed:
-                    wait(position)
-                for position in aged:  # after the receives: meanwhile the sends went out in the background
-                    wait(position)
-                aged.clear()
-            aged.extend(p for p, receives in unwaited.items() if not receives and p not in aged)
+            for position in sorted({receiving[m] for m in plan.steps[event.b].recvs if receiving.get(m) in unwaited}):
+                wait(position)
+            while sending and passes - sending[0][0] >= slack:
+                wait(sending.pop(0)[1])
             ops.append(Op(OpKind.COMPUTE, index=event.b))
+            passes += 1
             continue
         src, dst, n = event.a, event.b, event.n
         if batches[event] != current_batch:
