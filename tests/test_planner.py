@@ -11,6 +11,7 @@ import pytest
 
 from megatron_vshape.planner import (
     CostModel,
+    GPTModel,
     Grid,
     Layout,
     calibrate_efficiency,
@@ -68,8 +69,9 @@ def test_bad_inputs_raise_one_line_errors_naming_the_flag():
         calibrate_efficiency(A100, get_model("9.6b"), 4, 1e-3)  # faster than the peak allows
     with pytest.raises(ValueError, match="--efficiency"):
         CostModel(A100, efficiency=1.5)
-    with pytest.raises(ValueError, match="divide layers"):
-        predict("1f1b", Layout(1, 1, 7, 1, 14), get_model("9.6b"), CostModel(A100))
+    # any layer count runs on an uneven layout; only too few layers for the middle stages cannot
+    with pytest.raises(ValueError, match="cannot fill the 6 middle stages"):
+        predict("1f1b", Layout(1, 1, 8, 1, 16), GPTModel("tiny", 4, 1024, 8, 1024), CostModel(A100))
 
 
 def test_stage_layers_give_embedding_and_head_one_slot_each():

@@ -109,11 +109,14 @@ def stage_work(model: GPTModel, layers_per_stage, flash_attention: bool = False,
     extras = extras or StageExtras.from_flops(model)
     act = model.activation_bytes(1, 1, flash_attention)
     logits = model.logits_bytes(1, 1)
-    out = []
+    weights = model.layer_weights(flash_attention)  # per layer, relative to the mean (1.0 when alike)
+    out, start = [], 0
     for stage, count in enumerate(layers):
         first, last = stage == 0, stage == num_stages - 1
-        work = [count + (e if first else 0.0) + (h if last else 0.0) for e, h in zip(extras.embedding, extras.head)]
-        memory = count * act + (logits if last else 0.0)
+        own = [sum(w[i] for w in weights[start:start + count]) for i in range(4)]
+        start += count
+        work = [x + (e if first else 0.0) + (h if last else 0.0) for x, e, h in zip(own, extras.embedding, extras.head)]
+        memory = own[3] * act + (logits if last else 0.0)
         ratios = [x / unit for x in work] + [memory / (unit * act)]
         out.append(StageWork(*(max(r, MIN_STAGE_WORK) for r in ratios)))
     return tuple(out)

@@ -5,6 +5,12 @@ Examples::
     vshape plan --model 98.5b --seq 3072 --gpus 40 --global-batch 640 --flash-attention
     vshape plan --layers 32 --hidden 4096 --heads 32 --seq 4096 --gpu h100 --gpus 16 --global-batch 256
     vshape plan --model 9.6b --gpus 16 --global-batch 64 --tp 1 --pp 16 --micro-batch 4 --schedules 1f1b,v-half
+    vshape plan --gpus 64 --gpu h100 --global-batch-size 512 -- --num-layers 32 --hidden-size 4096 ...
+    vshape plan --from-recipe examples/llama/train_llama3_8b_h100_fp8.sh --gpus 64
+
+Everything after ``--`` is read as Megatron-LM flags (its own parser where megatron.training is
+installed); ``--from-recipe`` reads them out of a launch script (see planner/recipe.py). Then the
+search also covers CP, EP and the recomputation mode, and prints the flags to add to the recipe.
 
 Bad input ends with one line on stderr naming the flag and the fix, exit status 2.
 """
@@ -26,6 +32,17 @@ from .hardware import GPUS, get_gpu
 from .layout_mfu import LayoutComparison, compare_layouts
 from .model import PRESETS, GPTModel, get_model
 from .predict import Prediction, planner_schedule_names, split_name
+from .recipe_plan import (
+    DEFAULT_GPU,
+    RECIPE_SCHEDULES,
+    RECOMPUTE_MODES,
+    RecipeInputs,
+    commands,
+    cost_model_for,
+    grid_for,
+    header,
+    read_inputs,
+)
 from .search import Grid, ScheduleSearch, layouts, search
 
 PAPER_SCHEDULES = ("1f1b", "1f1b-r", "v-min", "v-half", "v-zb")
@@ -46,6 +63,14 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in RECOMPUTE_MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"{text!r}: give some of {','.join(RECOMPUTE_MODES)}")
+    return modes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="vshape plan", description=__doc__.split("\n\n")[0])
     m = p.add_argument_group("model")
@@ -57,10 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int, default=51200)
     m.add_argument("--flash-attention", action="store_true",
                    help="no stored s x s attention scores (drops the 5as term of the activation model)")
+    m.add_argument("--from-recipe", metavar="FILE.sh",
+                   help="read Megatron flags (model, batch, FP8, DP overlap) from a launch script; flags after -- win")
     h = p.add_argument_group("hardware and batch")
-    h.add_argument("--gpu", default="a100", help=f"one of {', '.join(GPUS)} (default a100)")
+    h.add_argument("--gpu", help=f"one of {', '.join(GPUS)} (default a100; {DEFAULT_GPU} with Megatron flags)")
     h.add_argument("--gpus", type=int, required=True, help="total GPU count")
-    h.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    h.add_argument("--global-batch", "--global-batch-size", dest="global_batch", type=int,
+                   help="sequences per iteration (default: the recipe's --global-batch-size)")
     c = p.add_argument_group("cost model")
     c.add_argument("--efficiency", type=float,
                    help="achievable fraction of peak FLOP/s for the GEMMs; memory-bound kernels are timed from HBM "
@@ -73,12 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-distributed-optimizer", action="store_true",
                    help="optimizer state not sharded over DP (18 bytes/parameter everywhere)")
     s = p.add_argument_group("search")
-    s.add_argument("--schedules", default=",".join(PAPER_SCHEDULES),
-                   help=f"comma-separated, or 'all' ({', '.join(planner_schedule_names())})")
+    s.add_argument("--schedules",
+                   help=f"comma-separated, or 'all' ({', '.join(planner_schedule_names())}); default "
+                   f"{','.join(PAPER_SCHEDULES)}, or {','.join(RECIPE_SCHEDULES)} with Megatron flags")
     s.add_argument("--tp", type=_int_list, help="TP sizes to try (default: every divisor up to 8)")
     s.add_argument("--pp", type=_int_list, help="PP sizes to try (default: every divisor >= 2)")
     s.add_argument("--dp", type=_int_list, help="DP sizes to try (default: what is left)")
     s.add_argument("--micro-batch", type=_int_list, default=[1, 2, 4, 8], help="microbatch sizes (default 1,2,4,8)")
+    s.add_argument("--cp", type=_int_list, help="CP sizes to try (Megatron flags only; default 1,2,4,8)")
+    s.add_argument("--ep", type=_int_list, help="EP sizes to try (Megatron flags only; default: divisors of the experts)")
+    s.add_argument("--recompute", type=_modes, help="recomputation modes to try, of none,selective,full "
+                   "(Megatron flags only; default all three)")
     s.add_argument("--all", action="store_true", help="also print every configuration evaluated")
     s.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     s.add_argument("--no-layouts", action="store_true",
@@ -113,7 +146,32 @@ def check_numbers(args) -> None:
             inputs.count(flag, value, 1, high)
 
 
+def resolve(args, megatron_argv: list[str]) -> None:
+    """Read Megatron flags (after ``--`` or from ``--from-recipe``) into ``args.recipe`` and fill the
+    batch, flash attention and schedules from them unless given; plain mode checks its own flags."""
+    args.recipe: RecipeInputs | None = None
+    if megatron_argv or args.from_recipe:
+        if args.model or args.layers or args.hidden or args.heads:
+            raise UsageError("give the model either as Megatron flags (after -- or --from-recipe) or as "
+                             "--model/--layers/--hidden/--heads, not both")
+        args.recipe = read_inputs(megatron_argv, args.from_recipe)
+        args.global_batch = args.global_batch or args.recipe.flags.global_batch
+        args.flash_attention = args.flash_attention or args.recipe.flags.flash_attention
+        args.schedules = args.schedules or ",".join(RECIPE_SCHEDULES)
+    else:
+        for dest, flag in (("cp", "--cp"), ("ep", "--ep"), ("recompute", "--recompute")):
+            if getattr(args, dest):
+                raise UsageError(f"{flag} applies to Megatron flags (after -- or --from-recipe); the paper's "
+                                 "grid has no CP, EP or recomputation modes (use the 1f1b-r schedule)")
+        args.schedules = args.schedules or ",".join(PAPER_SCHEDULES)
+    if args.global_batch is None:
+        raise UsageError("--global-batch-size: required (the recipe does not give one)")
+
+
 def model_from_args(args) -> GPTModel:
+    if getattr(args, "recipe", None) is not None:
+        model = args.recipe.model
+        return model.with_seq(args.seq) if args.seq else model
     shape = (args.layers, args.hidden, args.heads)
     if args.model and any(v is not None for v in shape):
         raise UsageError("give either --model or --layers/--hidden/--heads, not both")
@@ -126,7 +184,8 @@ def model_from_args(args) -> GPTModel:
 
 
 def cost_model_from_args(args) -> CostModel:
-    gpu = get_gpu(args.gpu)
+    recipe = getattr(args, "recipe", None)
+    gpu = get_gpu(args.gpu or (DEFAULT_GPU if recipe is not None else "a100"))
     if args.efficiency is not None and args.calibrate_f_ms is not None:
         raise UsageError("give either --efficiency or --calibrate-f-ms, not both")
     if args.efficiency is not None:
@@ -136,7 +195,8 @@ def cost_model_from_args(args) -> CostModel:
         reference_gpu = get_gpu("a100") if args.calibrate_f_ms is None else gpu
         efficiency = calibrate_efficiency(reference_gpu, get_model(args.calibrate_model),
                                           args.calibrate_micro_batch, ms / 1e3, args.calibrate_layers)
-    return CostModel(gpu, efficiency, args.bandwidth_efficiency, not args.no_distributed_optimizer)
+    base = CostModel(gpu, efficiency, args.bandwidth_efficiency, not args.no_distributed_optimizer)
+    return base if recipe is None else cost_model_for(recipe.flags, base)
 
 
 def _schedules(text: str) -> list[str]:
@@ -168,6 +228,9 @@ def report(results: list[ScheduleSearch], show_all: bool, reasons: dict[str, str
 
 
 def _grid(args) -> Grid:
+    if getattr(args, "recipe", None) is not None:
+        return grid_for(args.recipe.model, args.tp, args.pp, args.dp, args.micro_batch, args.cp, args.ep,
+                        args.recompute)
     return Grid(args.tp, args.pp, args.dp, tuple(args.micro_batch))
 
 
@@ -219,22 +282,38 @@ def layout_report(comparisons: dict[str, LayoutComparison | str]) -> str:
     return "\n".join(lines)
 
 
+def split_argv(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(vshape plan's own words, the Megatron flags after the first ``--``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
+    own, megatron_argv = split_argv(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(own)
+        resolve(args, megatron_argv)
         results = run(args)
     except (UsageError, ValueError, ScheduleError) as error:
         return usage_error(error)
     model, cost_model = model_from_args(args), cost_model_from_args(args)
-    print(f"{model.name} ({model.total_params / 1e9:.1f}B parameters, seq {model.seq_length}) on "
-          f"{args.gpus} x {cost_model.gpu.name}, global batch {args.global_batch}, "
-          f"{cost_model.efficiency:.1%} of peak for the GEMMs")
+    if args.recipe is not None:
+        print(header(args.recipe, cost_model, args.gpus, args.global_batch))
+    else:
+        print(f"{model.name} ({model.total_params / 1e9:.1f}B parameters, seq {model.seq_length}) on "
+              f"{args.gpus} x {cost_model.gpu.name}, global batch {args.global_batch}, "
+              f"{cost_model.efficiency:.1%} of peak for the GEMMs")
     reasons = {r.schedule: why_nothing(r, model, cost_model, args.gpus, args.global_batch, _grid(args))
                for r in results if r.best is None}
     print(report(results, args.all, reasons))
     comparisons = {} if args.no_layouts else layout_comparisons(results, model, cost_model, args.flash_attention)
     if comparisons:
         print(layout_report(comparisons))
+    if args.recipe is not None:
+        print(commands(results, comparisons))
     if args.json:
         records = [{"schedule": r.schedule, "best": r.best.to_json() if r.best else None,
                     "reason": reasons.get(r.schedule, r.reason),

@@ -6,7 +6,18 @@ kernels move (layer norms, dropout, GeLU, softmax: :meth:`GPTModel.elementwise_b
 bandwidth * hbm_efficiency. F and B carry such kernels, W (weight-gradient GEMMs) does not, so W is
 cheaper than its FLOPs alone say relative to F and B.
 Communication: ring collectives, time = (n-1)/n * bytes / (bandwidth * bandwidth_efficiency).
-Megatron's rank order is TP innermost, then DP, then PP, 8 GPUs per node.
+Megatron's rank order is TP innermost, then CP, EP (inside DP), DP, then PP, 8 GPUs per node.
+
+Beyond the paper's setting (see docs/planner.md for the derivations):
+
+* FP8 (``fp8``): the GEMMs with weights run at the GPU's dense FP8 peak; core attention stays bf16.
+* Context parallelism: every per-token term splits over CP; ring attention sends each K/V chunk
+  CP - 1 times and overlaps it with the attention kernels, so only the excess is exposed.
+* Expert parallelism: two all-to-alls (dispatch, combine) of the top-k token copies per MoE layer
+  in F and in B; expert weights split over EP, their gradients reduce over DP x CP / EP ranks.
+* Selective recomputation (Megatron's default ``core_attn``) re-runs core attention before B.
+* DP gradient sync: :meth:`CostModel.dp_exposed` says how much of it the pipeline hides with
+  ``--overlap-grad-reduce`` / ``--overlap-param-gather``.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ class PassTimes:
     p2p: float  # one activation / gradient message between neighbouring stages
     dp_sync: float  # gradient reduce-scatter + parameter all-gather, not overlapped
     optimizer: float  # Adam step, memory-bound
+    grad_reduce: float = 0.0  # the part of dp_sync that reduces gradients (the rest gathers parameters)
 
 
 @dataclass(frozen=True)
@@ -42,12 +54,18 @@ class CostModel:
     # Megatron's own schedules (1F1B, interleaved) wait for each p2p message (exposed_p2p.py)
     blocking_p2p: bool = True
     hbm_efficiency: float = HBM_EFFICIENCY  # memory-bound kernels and the optimizer step
+    fp8: bool = False  # --fp8-format: GEMMs at the FP8 peak
+    overlap_grad_reduce: bool = False  # --overlap-grad-reduce
+    overlap_param_gather: bool = False  # --overlap-param-gather
+    grad_bytes: int = 4  # bytes per gradient element reduced over DP (2 with --grad-reduce-in-bf16)
 
     def __post_init__(self):
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"--efficiency {self.efficiency}: must be in (0, 1]; calibrate with --calibrate-f-ms")
         if not 0 < self.bandwidth_efficiency <= 1:
             raise ValueError(f"--bandwidth-efficiency {self.bandwidth_efficiency}: must be in (0, 1]")
+        if self.fp8 and not self.gpu.fp8_flops:
+            raise ValueError(f"--fp8-format: {self.gpu.name} has no FP8 tensor cores; drop it or use --gpu h100/h200/b200")
 
     def _compute(self, flops: float) -> float:
         return flops / (self.gpu.peak_flops * self.efficiency)
@@ -64,20 +82,61 @@ class CostModel:
         """Link for a group whose consecutive members are ``span`` ranks apart."""
         return self.gpu.nvlink_bandwidth if span < self.gpu.gpus_per_node else self.gpu.internode_bandwidth
 
+    def _gemm(self, flops: float) -> float:
+        peak = self.gpu.fp8_flops if self.fp8 else self.gpu.peak_flops
+        return flops / (peak * self.efficiency)
+
+    def _within_node(self, extent: int) -> float:
+        """Bandwidth of a group spanning ``extent`` consecutive ranks (NVLink if it fits one node)."""
+        return self.gpu.nvlink_bandwidth if extent <= self.gpu.gpus_per_node else self.gpu.internode_bandwidth
+
     def pass_times(self, model: GPTModel, layout: Layout, flash_attention: bool = False) -> PassTimes:
-        tp, mb = layout.tp, layout.micro_batch
+        """Seconds of one mean layer's F, B, W for one microbatch on one GPU, and the fixed costs."""
+        tp, cp, mb = layout.tp, layout.cp, layout.micro_batch
+        split = tp * cp
         f_flops, b_flops, w_flops = model.layer_flops(mb)
         # memory-bound kernels: sequence parallelism and TP split every one of them over the TP ranks
         f_bytes, b_bytes = model.elementwise_bytes(mb, flash_attention)
         # Sequence parallelism: forward = 2 all-gathers + 2 reduce-scatters of the b*s*h bf16
         # activation; B the same; W re-gathers the two GEMM inputs (Megatron does not keep them).
-        tensor = 2.0 * mb * model.seq_length * model.hidden
+        tensor = 2.0 * mb * model.seq_length * model.hidden / cp
         tp_bw = self._bandwidth(1) if tp <= self.gpu.gpus_per_node else self.gpu.internode_bandwidth
         collective = self._ring(tensor, tp, tp_bw)
-        f = self._compute(f_flops / tp) + self._streaming(f_bytes / tp) + 4 * collective
-        b = self._compute(b_flops / tp) + self._streaming(b_bytes / tp) + 4 * collective
-        w = self._compute(w_flops / tp) + 2 * collective
-        return PassTimes(f, b, w, self._p2p(model, layout), self._dp_sync(model, layout), self._optimizer(model, layout))
+        per_pass = model.mean_cost.collectives  # 4 for a GPT layer (attention and MLP: 2 each)
+        if self.fp8:  # only the GEMMs with weights speed up; core attention (f - w, b - w) stays bf16
+            f = self._gemm(w_flops / split) + self._compute((f_flops - w_flops) / split)
+            b = self._gemm(w_flops / split) + self._compute((b_flops - w_flops) / split)
+            w = self._gemm(w_flops / split)
+        else:
+            f, b, w = self._compute(f_flops / split), self._compute(b_flops / split), self._compute(w_flops / split)
+        f += self._streaming(f_bytes / split) + per_pass * collective
+        b += self._streaming(b_bytes / split) + per_pass * collective
+        w += per_pass / 2 * collective
+        core_f = self._compute((f_flops - w_flops) / split)
+        f_extra, b_extra = self._cp_exposed(model, layout, core_f), self._ep_all_to_all(model, layout)
+        f, b = f + f_extra[0] + b_extra, b + f_extra[1] + b_extra
+        if layout.recompute == "selective":  # Megatron's default --recompute-modules core_attn
+            b += core_f
+        grad, gather = self._dp_parts(model, layout)
+        return PassTimes(f, b, w, self._p2p(model, layout), grad + gather, self._optimizer(model, layout), grad)
+
+    def _cp_exposed(self, model: GPTModel, layout: Layout, core_f: float) -> tuple[float, float]:
+        """Ring attention's K/V exchange beyond what the attention kernels hide, (F, B) per mean layer."""
+        if layout.cp == 1:
+            return 0.0, 0.0
+        sh, share = model.shape, sum(c.attention for c in model.layer_costs) / model.layers
+        chunk = 2.0 * layout.micro_batch * model.seq_length / layout.cp * 2 * sh.kv / layout.tp  # K and V, bf16
+        send = (layout.cp - 1) * chunk / (self._within_node(layout.tp * layout.cp) * self.bandwidth_efficiency)
+        return share * max(0.0, send - core_f), share * max(0.0, 2 * send - 2 * core_f)  # B also returns dK, dV
+
+    def _ep_all_to_all(self, model: GPTModel, layout: Layout) -> float:
+        """Dispatch + combine all-to-alls of one mean layer's MoE tokens, per pass (F or B)."""
+        if layout.ep == 1:
+            return 0.0
+        tokens = layout.micro_batch * model.seq_length / (layout.cp * layout.tp)
+        nbytes = 2.0 * tokens * model.hidden * model.mean_cost.a2a_tokens
+        bandwidth = self._within_node(layout.tp * layout.cp * layout.ep)
+        return 2 * self._ring(nbytes, layout.ep, bandwidth)
 
     def _p2p(self, model: GPTModel, layout: Layout) -> float:
         """Mean time of one activation/gradient message between neighbouring stages.
@@ -94,7 +153,7 @@ class CostModel:
         Pipeline ranks are tp*dp apart in Megatron's rank order; the message crosses the
         inter-node network when the two ranks sit in different nodes, else NVLink.
         """
-        nbytes = 2.0 * layout.micro_batch * model.seq_length * model.hidden / layout.tp
+        nbytes = 2.0 * layout.micro_batch * model.seq_length * model.hidden / (layout.tp * layout.cp)
         span, per_node = layout.tp * layout.dp, self.gpu.gpus_per_node
         crossing = (a * span) // per_node != (b * span) // per_node
         bandwidth = self.gpu.internode_bandwidth if crossing else self.gpu.nvlink_bandwidth
@@ -103,18 +162,57 @@ class CostModel:
     def params_per_gpu(self, model: GPTModel, layout: Layout) -> float:
         return model.total_params / (layout.tp * layout.pp)
 
+    def _shards(self, model: GPTModel, layout: Layout) -> tuple[tuple[float, int], tuple[float, int]]:
+        """((dense parameters per GPU, ranks sharing their gradients), (the same for routed experts))."""
+        experts = model.layers * model.mean_cost.expert_params
+        dense = (model.total_params - experts) / (layout.tp * layout.pp)
+        data = layout.dp * layout.cp  # Megatron's data-parallel group with context parallelism
+        return (dense, data), (experts / (layout.tp * layout.ep * layout.pp), data // layout.ep)
+
+    def _dp_parts(self, model: GPTModel, layout: Layout) -> tuple[float, float]:
+        """(gradient reduction, parameter all-gather) seconds, not overlapped.
+
+        With the distributed optimizer: a reduce-scatter of the gradients (``grad_bytes`` each, fp32
+        main_grad unless --grad-reduce-in-bf16) and a bf16 all-gather of the updated parameters;
+        otherwise an all-reduce (2x a reduce-scatter) and nothing to gather."""
+        grad = gather = 0.0
+        for params, ranks in self._shards(model, layout):
+            bandwidth = self._bandwidth(layout.tp * layout.cp * ranks)
+            if self.distributed_optimizer:
+                grad += self._ring(params * self.grad_bytes, ranks, bandwidth)
+                gather += self._ring(params * 2, ranks, bandwidth)
+            else:
+                grad += self._ring(params * 2 * self.grad_bytes, ranks, bandwidth)
+        return grad, gather
+
     def _dp_sync(self, model: GPTModel, layout: Layout) -> float:
-        params = self.params_per_gpu(model, layout)
-        # fp32 gradient reduce (Megatron's main_grad) and, with the distributed optimizer,
-        # a bf16 all-gather of the updated parameters; otherwise a fp32 all-reduce (2x a reduce-scatter).
-        nbytes = params * (4 + 2) if self.distributed_optimizer else params * 8
-        return self._ring(nbytes, layout.dp, self._bandwidth(layout.tp * layout.dp))
+        return sum(self._dp_parts(model, layout))
+
+    def dp_exposed(self, model: GPTModel, layout: Layout, times: PassTimes, window: float) -> float:
+        """DP sync time the iteration pays, given ``window`` seconds of backward work that run after a
+        device's first gradients are final (its last microbatch's backward: B + W for a fused
+        schedule, the deferred W passes for a split one, which is when a gradient is final).
+
+        Megatron launches a bucket's reduction when its last gradient is ready (``--overlap-grad-reduce``,
+        buckets of max(40M, 1M x DP) parameters), so all but the last bucket can hide in the window;
+        ``--overlap-param-gather`` gathers parameters during the next forward, all but the first bucket.
+        Without the flags the whole sync is exposed (the paper's setting)."""
+        grad, gather = times.grad_reduce, times.dp_sync - times.grad_reduce
+        if layout.dp * layout.cp == 1:
+            return 0.0
+        params = sum(p for p, _ in self._shards(model, layout))
+        bucket = min(1.0, max(40e6, 1e6 * layout.dp * layout.cp) / max(params, 1.0))  # one bucket's share
+        if self.overlap_grad_reduce:
+            grad = max(grad * bucket, grad - window)
+        if self.overlap_param_gather and self.distributed_optimizer:
+            gather *= bucket
+        return grad + gather
 
     def _optimizer(self, model: GPTModel, layout: Layout) -> float:
-        shard = layout.dp if self.distributed_optimizer else 1
-        params = self.params_per_gpu(model, layout) / shard
         # read grad (4) + master/m/v read+write (24) + bf16 param write (2) bytes per parameter
-        return self._streaming(params * 30)
+        if not self.distributed_optimizer:
+            return self._streaming(self.params_per_gpu(model, layout) * 30)
+        return self._streaming(sum(p / ranks for p, ranks in self._shards(model, layout)) * 30)
 
 
 def calibrate_efficiency(gpu: GPU, model: GPTModel, micro_batch: int, f_seconds: float, layers: int = 1,

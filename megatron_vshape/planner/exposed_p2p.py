@@ -49,5 +49,7 @@ def blocking_costs(base: str, costs: Costs, pp: int, send_time: Callable[[int, i
         # pp > 1) is a local hand-over: no transfer
         send_f = 0.0 if stage + 1 < placement.num_stages and placement.device_of(stage + 1) == device else send_f
         send_b = 0.0 if stage > 0 and placement.device_of(stage - 1) == device else send_b
-        stages.append(StageWork(f=1.0 + send_f / f_stage, b=1.0 + send_b / b_stage))
+        # on top of the stage's own work (per-stage costs of an uneven layout), if any
+        own = costs.stages[stage] if costs.stages else StageWork()
+        stages.append(StageWork(f=own.f + send_f / f_stage, b=own.b + send_b / b_stage, w=own.w, memory=own.memory))
     return Costs(costs.f, costs.b, costs.w, 0.0, tuple(stages))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedules import Costs
+from ..schedules.registry import fuses_backward
 from .balance import LayoutChoice, choose_layout
 from .costs import CostModel
 from .layout import Layout
@@ -59,7 +60,8 @@ def chunk_costs(model: GPTModel, cost_model: CostModel, layout: Layout, flash_at
     stage by :func:`.balance.stage_work`, not spread over layer slots as :func:`.predict.chunk_costs` does."""
     times = cost_model.pass_times(model, layout, flash_attention)
     unit = model.layers / (2 * layout.pp)
-    return Costs(unit * times.f, unit * times.b, unit * times.w, times.p2p)
+    full = times.f if layout.recompute == "full" else 0.0  # the backward first re-runs the forward
+    return Costs(unit * times.f, unit * (times.b + full), unit * times.w, times.p2p)
 
 
 def compare_layouts(name: str, model: GPTModel, cost_model: CostModel, layout: Layout,
@@ -72,4 +74,6 @@ def compare_layouts(name: str, model: GPTModel, cost_model: CostModel, layout: L
     choice = choose_layout(model, base, layout.pp, layout.num_microbatches, costs, flash_attention=flash_attention)
     times = cost_model.pass_times(model, layout, flash_attention)
     per_second = model.model_flops(layout.global_batch) / (layout.gpus * cost_model.gpu.peak_flops)
-    return LayoutComparison(name, layout, choice, times.dp_sync + times.optimizer, per_second)
+    window = 2 * (costs.w if not fuses_backward(base) else costs.b + costs.w)  # as predict charges it
+    return LayoutComparison(name, layout, choice, cost_model.dp_exposed(model, layout, times, window) + times.optimizer,
+                            per_second)

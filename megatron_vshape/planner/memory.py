@@ -3,7 +3,8 @@
 Activations come from the simulated timeline with per-stage sizes (the first and last stages
 hold one layer fewer, the last also keeps the fp32 logits), so a device's peak is where its
 stages' allocations (F) and releases (B frees what only the input gradient needed, W the GEMM
-inputs) actually overlap in time.
+inputs) actually overlap in time. Context parallelism splits activations like sequence
+parallelism does (over TP x CP); recomputation modes: see :func:`activation_model`.
 """
 
 from __future__ import annotations
@@ -41,18 +42,35 @@ def bytes_per_param(dp: int, distributed_optimizer: bool) -> float:
     return 6.0 + (12.0 / dp if distributed_optimizer else 12.0)
 
 
+def stage_starts(layers) -> list[int]:
+    starts, at = [], 0
+    for n in layers:
+        starts.append(at)
+        at += n
+    return starts
+
+
 def static_bytes(model: GPTModel, layout: Layout, stages_per_device, num_stages: int,
-                 distributed_optimizer: bool) -> tuple[float, ...]:
-    layers = stage_layers(model, num_stages)
-    per_param = bytes_per_param(layout.dp, distributed_optimizer)
+                 distributed_optimizer: bool, layers_per_stage=None) -> tuple[float, ...]:
+    """Weights, gradients and optimizer state per device; routed experts split over EP x TP and
+    their optimizer state over the DP x CP / EP ranks that share them (Megatron's expert-DP group)."""
+    layers = list(layers_per_stage) if layers_per_stage is not None else stage_layers(model, num_stages)
+    starts = stage_starts(layers)
+    data = layout.dp * layout.cp
+    per_param = bytes_per_param(data, distributed_optimizer)
+    per_expert = bytes_per_param(max(data // layout.ep, 1), distributed_optimizer)
     out = []
     for stages in stages_per_device:
-        params = sum(layers[s] for s in stages) * model.layer_params
+        dense = experts = 0.0
+        for s in stages:
+            d, e = model.stage_params(starts[s], layers[s]) if layers_per_stage is not None else \
+                (layers[s] * model.layer_params, 0.0)
+            dense, experts = dense + d, experts + e
         if 0 in stages:
-            params += model.embedding_params
+            dense += model.embedding_params
         if num_stages - 1 in stages:
-            params += model.head_params
-        out.append(params / layout.tp * per_param)
+            dense += model.head_params
+        out.append(dense / layout.tp * per_param + experts / (layout.tp * layout.ep) * per_expert)
     return tuple(out)
 
 
@@ -66,18 +84,30 @@ class ActivationModel:
 
 
 def activation_model(model: GPTModel, layout: Layout, num_stages: int, flash_attention: bool,
-                     recompute: bool) -> ActivationModel:
-    mb, tp = layout.micro_batch, layout.tp
-    layers = stage_layers(model, num_stages)
-    if recompute:
-        # Full recomputation keeps each layer's input; the backward rebuilds one layer at a time.
-        per_layer, b_release = model.input_bytes(mb, tp), 1.0
-        transient = model.activation_bytes(mb, tp, flash_attention)
+                     recompute: bool | str, layers_per_stage=None) -> ActivationModel:
+    """``recompute``: False/"none", True/"full" (each layer keeps its input; the backward rebuilds
+    one layer at a time), or "selective" (core attention rebuilt: its s x s scores not kept)."""
+    mode = {True: "full", False: "none"}.get(recompute, recompute)
+    mb, split = layout.micro_batch, layout.tp * layout.cp
+    layers = list(layers_per_stage) if layers_per_stage is not None else stage_layers(model, num_stages)
+    full = model.activation_bytes(mb, split, flash_attention)
+    tokens = mb * model.seq_length / split
+    # the backward of one Mamba layer rebuilds its chunk states (the layer's state memory)
+    states = max(c.transient_bytes for c in model.layer_costs) * tokens
+    if mode == "full":
+        per_layer, b_release, transient = model.input_bytes(mb, split), 1.0, full + states
+    elif mode == "selective":
+        kept = model.activation_bytes(mb, split, True)  # the scores are rebuilt, never stored
+        per_layer, b_release = kept, 1.0 - model.w_held_fraction(True)
+        transient = full - kept + states  # one layer's scores, alive inside its backward
     else:
-        per_layer = model.activation_bytes(mb, tp, flash_attention)
-        b_release, transient = 1.0 - model.w_held_fraction(flash_attention), 0.0
-    sizes = [n * per_layer for n in layers]
-    sizes[-1] += model.logits_bytes(mb, tp)
+        per_layer, b_release, transient = full, 1.0 - model.w_held_fraction(flash_attention), states
+    if layers_per_stage is None or mode == "full":
+        sizes = [n * per_layer for n in layers]
+    else:  # layers that differ (a pattern): each stage's own sum
+        weights = [w[3] for w in model.layer_weights(flash_attention or mode == "selective")]
+        sizes = [sum(weights[s:s + n]) * per_layer for s, n in zip(stage_starts(layers), layers)]
+    sizes[-1] += model.logits_bytes(mb, split)
     return ActivationModel(tuple(sizes), b_release, transient)
 
 

@@ -1,7 +1,14 @@
 """Predict one (schedule, layout): iteration time, MFU, bubble, per-GPU memory, OOM.
 
-Iteration time = simulated pipeline makespan + DP gradient sync + optimizer step (neither
-overlapped, as in the authors' fork). MFU = Megatron's model FLOPs / (time * GPUs * peak).
+Iteration time = simulated pipeline makespan + exposed DP gradient sync + optimizer step. Without
+``--overlap-grad-reduce`` (the paper's setting, the authors' fork) the whole sync is exposed; see
+:meth:`CostModel.dp_exposed`. MFU = Megatron's model FLOPs / (time * GPUs * dense bf16 peak).
+
+Two pipeline cost models: the paper's layer with ``layers + 2`` dividing the stages keeps the
+paper's "embedding and head each take one layer's slot" (its tables were reproduced with it);
+every other model or layer count is costed per stage (:func:`.balance.stage_work`: the head's
+GEMM, per-layer weights of a HybridModel pattern) on an uneven layout, proportional to each
+device's work (:func:`.balance.proportional_layout`), so no divisibility rule hides a configuration.
 """
 
 from __future__ import annotations
@@ -9,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedules import SCHEDULES, Costs, ScheduleError
+from ..schedules.registry import fuses_backward
+from ..schedules.schedule import StageWork
+from .balance import placement_for, proportional_layout, stage_work
 from .costs import CostModel, PassTimes
 from .exposed_p2p import blocking_costs, blocks_on_p2p
 from .layout import Layout
@@ -48,6 +58,8 @@ class Prediction:
     capacity: float  # bytes usable per GPU
     pass_times: PassTimes
     extrapolated: bool
+    layers_per_stage: tuple[int, ...] = ()  # the layout costed ((): the paper's slot model)
+    dp_exposed: float = 0.0  # seconds of DP sync the iteration pays
 
     @property
     def oom(self) -> bool:
@@ -57,7 +69,9 @@ class Prediction:
         lay = self.layout
         return {
             "schedule": self.schedule, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+            "cp": lay.cp, "ep": lay.ep, "recompute": lay.recompute,
             "micro_batch": lay.micro_batch, "num_microbatches": lay.num_microbatches,
+            "layers_per_stage": list(self.layers_per_stage), "dp_exposed_s": self.dp_exposed,
             "iteration_time_s": self.iteration_time, "mfu": self.mfu, "bubble_rate": self.bubble_rate,
             "peak_memory_gib": self.memory.peak / 1024**3,
             "peak_activation_gib": self.memory.peak_activation / 1024**3, "oom": self.oom,
@@ -73,38 +87,82 @@ def chunk_costs(pass_times: PassTimes, model: GPTModel, stages: int, recompute: 
     return Costs(f, b, w, pass_times.p2p)
 
 
+def recompute_mode(name: str, layout: Layout) -> str:
+    """"full" for the "-r" names (1f1b-r), else the layout's mode."""
+    return "full" if split_name(name)[1] else layout.recompute
+
+
+def stage_plan(name: str, layout: Layout, model: GPTModel, times: PassTimes) -> tuple[int, ...] | None:
+    """Layers per stage for the per-stage cost model, or None for the paper's slot model."""
+    stages = num_stages(name, layout.pp)
+    if layout.uses_slots(model, stages):
+        return None
+    if model.segments:
+        return tuple(model.segments)
+    base, _ = split_name(name)
+    unit = model.layers / (2 * layout.pp)
+    costs = Costs(unit * times.f, unit * times.b, unit * times.w, times.p2p)
+    return tuple(proportional_layout(model, placement_for(base, layout.pp), costs))
+
+
+def staged_costs(times: PassTimes, model: GPTModel, layers: tuple[int, ...], full_recompute: bool, pp: int,
+                 flash_attention: bool) -> Costs:
+    """Costs per uniform V chunk (L/(2 pp) layers) with each stage's own work (head, uneven layers)."""
+    unit = model.layers / (2 * pp)
+    f, b, w = unit * times.f, unit * times.b, unit * times.w
+    works = stage_work(model, layers, flash_attention)
+    if full_recompute:  # each stage's backward first re-runs its forward
+        works = tuple(StageWork(x.f, (x.b * b + x.f * f) / (b + f), x.w, x.memory) for x in works)
+        b += f
+    return Costs(f, b, w, times.p2p, works)
+
+
 def predict(name: str, layout: Layout, model: GPTModel, cost_model: CostModel,
             flash_attention: bool = False) -> Prediction:
     """Raise ValueError/ScheduleError naming the problem if the layout cannot run the schedule."""
-    base, recompute = split_name(name)
+    base, _ = split_name(name)
+    mode = recompute_mode(name, layout)
     stages = num_stages(name, layout.pp)
     problem = layout.problem(model, stages)
     if problem:
         raise ValueError(problem)
     times = cost_model.pass_times(model, layout, flash_attention)
-    costs = chunk_costs(times, model, stages, recompute, layout.pp)
+    layers = stage_plan(name, layout, model, times)
+    if layers is None:
+        costs = chunk_costs(times, model, stages, mode == "full", layout.pp)
+    else:
+        costs = staged_costs(times, model, layers, mode == "full", layout.pp, flash_attention)
     timed = costs
     if cost_model.blocking_p2p and blocks_on_p2p(base) and layout.pp > 1:
         timed = blocking_costs(base, costs, layout.pp,
                                lambda a, b: cost_model.p2p_between(model, layout, a, b))
-    run = run_pipeline(base, layout.pp, layout.num_microbatches, timed)
-    iteration = run.makespan + times.dp_sync + times.optimizer
+    run = run_pipeline(base, layout.pp, layout.num_microbatches, timed, coarse=not model.paper_shape)
+    # Gradients are final once a device's last backward work runs: B + W fused, W when split.
+    window = 2 * (costs.w if not fuses_backward(base) else costs.b + costs.w)
+    dp = cost_model.dp_exposed(model, layout, times, window)
+    iteration = run.makespan + dp + times.optimizer
     # The paper's bubble: 1 - compute / time, compute = m x (F + B + W) of one device (two V
     # chunks' worth of layer slots); waits for messages, exposed or not, count as bubble.
-    compute = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches
+    if layers is None:
+        compute = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches
+    else:  # the busiest device's work
+        sample_m = run.sample.schedule.num_microbatches
+        compute = run.sample.work_per_device / sample_m * layout.num_microbatches * run.scale
     bubble = max(0.0, 1.0 - compute / run.span) if run.span > 0 else 0.0
     mfu = model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.gpu.peak_flops)
     placement = run.sample.schedule.placement
-    static = static_bytes(model, layout, placement.stages_per_device, stages, cost_model.distributed_optimizer)
-    acts = activation_model(model, layout, stages, flash_attention, recompute)
+    static = static_bytes(model, layout, placement.stages_per_device, stages, cost_model.distributed_optimizer,
+                          layers)
+    acts = activation_model(model, layout, stages, flash_attention, mode, layers)
     peaks = activation_peaks(run.sample, acts)
     if run.earlier is not None:
         earlier = activation_peaks(run.earlier, acts)
         peaks = tuple(run.extend(late, early) for late, early in zip(peaks, earlier))
     memory = MemoryEstimate(static, peaks)
     capacity = cost_model.gpu.memory_bytes - RESERVED_BYTES
-    return Prediction(name, layout, iteration, mfu, bubble, memory, capacity, times, run.extrapolated)
+    return Prediction(name, layout, iteration, mfu, bubble, memory, capacity, times, run.extrapolated,
+                      layers or (), dp)
 
 
 __all__ = ["Prediction", "ScheduleError", "chunk_costs", "num_stages", "planner_schedule_names", "predict",
-           "split_name"]
+           "recompute_mode", "split_name", "stage_plan", "staged_costs"]

@@ -1,4 +1,6 @@
-"""Grid search over DP x TP x PP x microbatch size per schedule, like the paper's hybrid runs.
+"""Grid search over DP x TP x PP (x CP x EP) x microbatch size (x recomputation mode) per schedule,
+like the paper's hybrid runs. The paper's grid is the default (CP 1, EP 1, no recomputation);
+``vshape plan -- <Megatron flags>`` widens it to every CP, EP and recomputation mode.
 
 Branch and bound: every candidate gets a cheap upper bound on its MFU (no pipeline bubble);
 candidates are simulated best-bound first, and the search for a schedule stops as soon as the
@@ -10,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ..schedules import SCHEDULES, ScheduleError
 from .costs import CostModel
 from .layout import Layout
 from .memory import RESERVED_BYTES, bytes_per_param
 from .model import GPTModel
-from .predict import Prediction, chunk_costs, num_stages, predict, split_name
+from .predict import Prediction, chunk_costs, num_stages, predict, recompute_mode, split_name
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class Grid:
     pp: Sequence[int] | None = None
     dp: Sequence[int] | None = None
     micro_batch: Sequence[int] = (1, 2, 4, 8)
+    cp: Sequence[int] = (1,)
+    ep: Sequence[int] = (1,)
+    recompute: Sequence[str] = ("none",)
 
 
 @dataclass
@@ -48,13 +54,17 @@ def layouts(model: GPTModel, gpus: int, global_batch: int, grid: Grid, gpus_per_
         return choices is None or value in choices
 
     for tp in (t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and gpus % t == 0 and allowed(t, grid.tp)):
-        for pp in (p for p in range(2, gpus // tp + 1) if (gpus // tp) % p == 0 and allowed(p, grid.pp)):
-            dp = gpus // (tp * pp)
-            if not allowed(dp, grid.dp):
-                continue
-            for mb in grid.micro_batch:
-                if global_batch % (dp * mb) == 0:
-                    yield Layout(dp, tp, pp, mb, global_batch)
+        for cp in (c for c in grid.cp if (gpus // tp) % c == 0):
+            rest = gpus // (tp * cp)
+            for pp in (p for p in range(2, rest + 1) if rest % p == 0 and allowed(p, grid.pp)):
+                dp = rest // pp
+                if not allowed(dp, grid.dp):
+                    continue
+                for ep in (e for e in grid.ep if (dp * cp) % e == 0):
+                    for mb in grid.micro_batch:
+                        if global_batch % (dp * mb) == 0:
+                            for mode in grid.recompute:
+                                yield Layout(dp, tp, pp, mb, global_batch, cp, ep, mode)
 
 
 def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostModel,
@@ -65,26 +75,36 @@ def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostMod
     the last pipeline device waits for the first microbatch's forwards (and messages) through
     every earlier device.
     """
-    _, recompute = split_name(name)
     stages = num_stages(name, layout.pp)
     times = cost_model.pass_times(model, layout, flash_attention)
-    costs = chunk_costs(times, model, stages, recompute, layout.pp)
+    costs = chunk_costs(times, model, stages, recompute_mode(name, layout) == "full", layout.pp)
     work = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches  # two V chunks' worth per device
     forward_per_device = costs.f * 2 * layout.pp / stages  # one F over the device's first stage
     fill = (layout.pp - 1) * (forward_per_device + costs.comm)
-    iteration = fill + work + times.dp_sync + times.optimizer
+    dp = cost_model.dp_exposed(model, layout, times, 2 * (costs.b + costs.w))  # at least what predict charges
+    iteration = fill + work + dp + times.optimizer
     return model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.gpu.peak_flops)
 
 
 def _static_fits(layout: Layout, model: GPTModel, cost_model: CostModel) -> bool:
-    per_param = bytes_per_param(layout.dp, cost_model.distributed_optimizer)
-    static = model.layers * model.layer_params / (layout.tp * layout.pp) * per_param
+    """Weights, gradients and optimizer state of the layers alone (experts split over EP) fit."""
+    experts = model.layers * model.mean_cost.expert_params
+    dense = model.layers * model.layer_params - experts
+    data = layout.dp * layout.cp
+    static = dense / (layout.tp * layout.pp) * bytes_per_param(data, cost_model.distributed_optimizer) + \
+        experts / (layout.tp * layout.ep * layout.pp) * bytes_per_param(max(data // layout.ep, 1),
+                                                                        cost_model.distributed_optimizer)
     return static < cost_model.gpu.memory_bytes - RESERVED_BYTES
+
+
+@lru_cache(maxsize=1024)
+def _min_microbatches(base: str, pp: int) -> int:
+    return SCHEDULES[base].min_microbatches(pp)  # a search over its sizes: milliseconds each, asked often
 
 
 def _runnable(name: str, layout: Layout, model: GPTModel) -> bool:
     base, _ = split_name(name)
-    if layout.num_microbatches < SCHEDULES[base].min_microbatches(layout.pp):
+    if layout.num_microbatches < _min_microbatches(base, layout.pp):
         return False
     return layout.problem(model, num_stages(name, layout.pp)) is None
 
@@ -130,5 +150,6 @@ def _dominated(layout: Layout, oom: Layout) -> bool:
     Activations grow with the microbatch size, and once there are at least as many microbatches
     as pipeline devices the number in flight no longer shrinks, so memory only grows.
     """
-    same_split = (layout.dp, layout.tp, layout.pp) == (oom.dp, oom.tp, oom.pp)
+    same_split = (layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.recompute) == \
+        (oom.dp, oom.tp, oom.pp, oom.cp, oom.ep, oom.recompute)
     return same_split and layout.micro_batch > oom.micro_batch and layout.num_microbatches >= layout.pp

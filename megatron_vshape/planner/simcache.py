@@ -12,6 +12,7 @@ linearly from two simulated sizes in the steady state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -77,10 +78,22 @@ def _build(name: str, num_devices: int, num_microbatches: int, b: float, w: floa
     return get_schedule(name, num_devices, num_microbatches, Costs(1.0, b, w, comm))
 
 
+def _geometric(x: float, steps_per_octave: int = 4) -> float:
+    """``x`` rounded to a geometric grid (2^(1/4) apart: within 9 %); tiny values to 0."""
+    if x < 1e-3:
+        return 0.0
+    return 2.0 ** (round(math.log2(x) * steps_per_octave) / steps_per_octave)
+
+
 @lru_cache(maxsize=4096)
 def _simulate_normalised(name: str, num_devices: int, num_microbatches: int, b: float, w: float,
-                         comm: float, stages: tuple[StageWork, ...] = ()) -> SimulationResult:
-    if name in REGULAR:  # their order hardly depends on costs: share generation widely
+                         comm: float, stages: tuple[StageWork, ...] = (), coarse: bool = False) -> SimulationResult:
+    if coarse and name in REGULAR:  # a wide search (CP, EP, recomputation): one order per cost octave quarter
+        schedule = _build(name, num_devices, num_microbatches, _geometric(b), _geometric(w), _geometric(comm))
+    elif coarse:
+        schedule = _build(name, num_devices, num_microbatches, round(b / 2, 2) * 2, round(w / 2, 2) * 2,
+                          _geometric(comm, 8))
+    elif name in REGULAR:  # their order hardly depends on costs: share generation widely
         schedule = _build(name, num_devices, num_microbatches, round(b, 1), round(w, 1), round(comm / 2, 2) * 2)
     else:  # greedy decisions react to small cost changes (comm especially)
         schedule = _build(name, num_devices, num_microbatches, round(b / 2, 2) * 2, round(w / 2, 2) * 2,
@@ -90,13 +103,17 @@ def _simulate_normalised(name: str, num_devices: int, num_microbatches: int, b: 
     return simulate(schedule, Costs(1.0, b, w, comm, stages))
 
 
-def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Costs) -> PipelineRun:
-    """Simulate ``name`` with real ``costs`` (seconds per V-chunk pass), extrapolating large sizes."""
+def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Costs, coarse: bool = False) -> PipelineRun:
+    """Simulate ``name`` with real ``costs`` (seconds per V-chunk pass), extrapolating large sizes.
+
+    ``coarse``: share generated orders over wider cost ranges (:func:`_geometric`), for searches
+    over many cost ratios (the Megatron-flags grid); the paper's grid keeps the finer sharing its
+    reproduced tables were made with."""
     unit = costs.f
 
     def sim(m: int) -> SimulationResult:
         return _simulate_normalised(name, num_devices, m, round(costs.b / unit, 6), round(costs.w / unit, 6),
-                                    round(costs.comm / unit, 6), costs.stages)
+                                    round(costs.comm / unit, 6), costs.stages, coarse)
 
     limit = exact_limit(name, num_devices)
     if num_microbatches <= limit:

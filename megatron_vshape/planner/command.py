@@ -1,0 +1,37 @@
+"""The answer as a command: the flags to add to the user's recipe for one planned configuration.
+
+Megatron-LM's own flags for the parallel sizes, the microbatch size and recomputation, and the
+plugin's ``--pipeline-schedule`` / ``--pipeline-layout`` (megatron_vshape.megatron.arguments). Later
+flags win in argparse, so appending these to a recipe's command line overrides its own sizes.
+"""
+
+from __future__ import annotations
+
+from ..schedules.stage_layout import format_layout
+from .layout import Layout
+from .predict import recompute_mode, split_name
+
+
+def recipe_flags(schedule: str, layout: Layout, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
+    """Flags (words) that make a Megatron run use ``schedule`` on ``layout`` with ``layers_per_stage``."""
+    base, _ = split_name(schedule)
+    flags = [
+        "--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp),
+        "--context-parallel-size", str(layout.cp), "--expert-model-parallel-size", str(layout.ep),
+        "--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(layout.global_batch),
+    ]
+    if layout.tp > 1:
+        flags.append("--sequence-parallel")  # the cost model assumes it (activations split over TP)
+    flags += ["--pipeline-schedule", base]
+    if layers_per_stage:
+        flags += ["--pipeline-layout", format_layout(layers_per_stage)]
+    mode = recompute_mode(schedule, layout)
+    if mode == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    elif mode == "full":
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return flags
+
+
+def command_line(schedule: str, layout: Layout, layers_per_stage: tuple[int, ...] | None = None) -> str:
+    return " ".join(recipe_flags(schedule, layout, layers_per_stage))
