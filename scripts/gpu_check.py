@@ -11,6 +11,11 @@ One GPU (about 5 minutes; ``--budget``, default 480 s, caps the whole single-GPU
   * 20 iterations of ``scripts/pretrain_gpt.py`` at PP=1 (a 1.3B GPT, TE spec, bf16), with MFU.
 Two or more GPUs add ``vshape verify`` of every schedule at PP=2 (and PP=4 with 4+ GPUs) over NCCL with
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``--multi-budget``, default 1200 s).
+Transformer Engine runs (each compares its losses with Megatron's 1F1B on the same flags, iteration by
+iteration: ``gpu_check.py --compare-losses``; ``--loss-timeout``, default 420 s each, on the multi budget):
+  * 2+ GPUs: TE + FP8 (``--fp8-format hybrid``, the TE split spec: TE's deferred W) under V-Half and V-ZB, PP=2;
+  * 4+ GPUs: context parallelism 2 under V-Half (PP=2 x CP=2), and ``--tp-comm-overlap`` under V-ZB
+    (PP=2 x TP=2, sequence parallel).
 
 Every step runs in its own process group with a timeout and gets a row (PASS / FAIL / TIMEOUT /
 SKIP) even when it fails; its output goes to ``--log-dir``. Exit 0 when every row passed, 1 otherwise,
@@ -46,6 +51,26 @@ PRETRAIN_MODEL = (
 )
 
 
+# The TE runs: a 12-layer GPT small enough for 2 GPUs, 10 iterations (losses compared iteration by iteration).
+LOSS_MODEL = (
+    "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 "
+    "--micro-batch-size 1 --global-batch-size 16 --lr 1e-4 --bf16 --mock-data --tokenizer-type NullTokenizer "
+    "--vocab-size 50257 --log-interval 1 --eval-interval 1000000 --eval-iters 0 --train-iters 10 "
+    "--pipeline-model-parallel-size 2 --hidden-dropout 0.0 --attention-dropout 0.0"
+)
+FP8 = "--fp8-format hybrid --fp8-amax-history-len 16 --fp8-amax-compute-algo max"
+# (name, min GPUs, extra flags, schedule, relative loss tolerance vs 1F1B). FP8's delayed scaling updates its
+# amax history in the schedule's order, so FP8 runs agree to a looser tolerance than bf16 ones.
+TE_LOSS_RUNS = (
+    ("te fp8 v-half vs 1f1b pp2", 2, FP8, "v-half", 2e-2),
+    ("te fp8 v-zb vs 1f1b pp2", 2, FP8, "v-zb", 2e-2),
+    ("cp2 v-half vs 1f1b pp2", 4, "--context-parallel-size 2", "v-half", 2e-3),
+    ("tp-comm-overlap v-zb vs 1f1b pp2 tp2", 4,
+     "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap", "v-zb", 2e-3),
+)
+LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
+
+
 class UsageError(Exception):
     """Bad command line: one line naming the flag and the fix."""
 
@@ -53,7 +78,7 @@ class UsageError(Exception):
 @dataclass
 class Step:
     name: str
-    kind: str  # verify | bench | pretrain
+    kind: str  # verify | bench | pretrain | losses
     argv: list[str]
     timeout: float
     env: dict[str, str] = field(default_factory=dict)
@@ -88,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bench-timeout", type=float, default=120.0, help="seconds for bench_wgrad (default 120)")
     parser.add_argument("--pretrain-timeout", type=float, default=240.0,
                         help="seconds for the pretraining step (default 240)")
+    parser.add_argument("--loss-timeout", type=float, default=420.0,
+                        help="seconds for each TE loss comparison (two training runs; default 420)")
     parser.add_argument("--only", default=None, help="run only the steps whose name contains TEXT")
     parser.add_argument("--python", default=sys.executable, help="interpreter for every step (default: this one)")
     parser.add_argument("--log-dir", type=Path, default=Path("gpu_check_logs"), help="per-step output (default gpu_check_logs)")
@@ -103,7 +130,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _check(args: argparse.Namespace) -> None:
     if args.gpus is not None and args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: must be >= 1 (it counts GPUs to use); drop it to use all visible")
-    for flag in ("budget", "multi_budget", "verify_timeout", "bench_timeout", "pretrain_timeout"):
+    for flag in ("budget", "multi_budget", "verify_timeout", "bench_timeout", "pretrain_timeout", "loss_timeout"):
         if not getattr(args, flag) > 0:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a positive number of seconds")
 
@@ -160,6 +187,18 @@ def verify_step(python: str, schedule: str, pp: int, spec: str, timeout: float, 
     return Step(f"verify {schedule} pp{pp} {spec} bf16", "verify", argv, timeout, env, group)
 
 
+def loss_step(python: str, run: tuple, timeout: float) -> Step:
+    """One TE run (``run`` from TE_LOSS_RUNS) against Megatron's 1F1B on the same flags and GPUs."""
+    name, gpus, extra, schedule, rtol = run
+    def launch(sched: str, port: int) -> list[str]:
+        return [python, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-port", str(port),
+                str(ROOT / "scripts" / "pretrain_gpt.py"), *LOSS_MODEL.split(), *extra.split(), "--pipeline-schedule", sched]
+
+    argv = [python, str(ROOT / "scripts" / "gpu_check.py"), "--compare-losses", "--rtol", str(rtol), "--",
+            *launch("1f1b", 29521), "--versus", *launch(schedule, 29523)]
+    return Step(f"losses {name}", "losses", argv, timeout, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "multi")
+
+
 # HybridModel with Mamba-2 layers: in the split spec Mamba's in/out projections are megatron linears, so B
 # defers their weight gradients to W; V-ZB at PP=1 against one process (megatron_vshape.testing.tiny_hybrid).
 MAMBA_PATTERN = "M*M-M*M-"
@@ -192,6 +231,7 @@ def build_steps(args: argparse.Namespace, gpus: int) -> list[Step]:
 
         for pp in (p for p in (2, 4) if p <= gpus):
             steps += [verify_step(py, name, pp, "te", args.verify_timeout, "multi") for name in SCHEDULES]
+        steps += [loss_step(py, run, args.loss_timeout) for run in TE_LOSS_RUNS if run[1] <= gpus]
     if args.only is not None:
         steps = [s for s in steps if args.only in s.name]
         if not steps:
@@ -248,7 +288,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def interpret(step: Step, code: int, text: str) -> tuple[str, str]:
-    reader = {"verify": _verify_result, "bench": _bench_result, "pretrain": _pretrain_result}[step.kind]
+    reader = {"verify": _verify_result, "bench": _bench_result, "pretrain": _pretrain_result,
+              "losses": _losses_result}[step.kind]
     try:
         detail = reader(step, text)
     except (ValueError, KeyError, OSError) as err:
@@ -281,6 +322,12 @@ def _verify_result(step: Step, text: str) -> str:
               f"W deferred/run {r.get('wgrad_deferred', 0)}/{r.get('wgrad_run', 0)}")
     problems = r.get("problems") or []
     return detail + ("" if not problems else " -- " + "; ".join(problems))
+
+
+def _losses_result(step: Step, text: str) -> str:
+    r = _last_json(text)
+    return (f"{r['iterations']} iterations, max |loss - 1F1B's| / 1F1B's {r['max_rel_diff']:.2e} (<= {r['rtol']:g}); "
+            f"last loss {r['last_loss']:.4f} vs {r['last_reference_loss']:.4f}")
 
 
 def _bench_result(step: Step, text: str) -> str:
@@ -328,7 +375,48 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def losses_of(text: str) -> dict[int, float]:
+    """Megatron's ``lm loss`` per iteration from its log lines."""
+    return {int(it): float(loss) for it, loss in LOSS_LINE.findall(text)}
+
+
+def compare_losses(argv: list[str]) -> int:
+    """``--compare-losses --rtol R -- REFERENCE... --versus RUN...``: run both, compare losses per iteration.
+
+    Prints both runs' output, then one JSON line; exit 0 when every iteration of RUN is within R of the
+    reference's loss (and both logged the same iterations), 1 otherwise.
+    """
+    if "--" not in argv or "--versus" not in argv or argv[:1] != ["--rtol"]:
+        print("gpu_check: error: --compare-losses --rtol R -- REFERENCE... --versus RUN...", file=sys.stderr)
+        return 2
+    rtol = float(argv[1])
+    commands = argv[argv.index("--") + 1:]
+    split = commands.index("--versus")
+    runs = []
+    for command in (commands[:split], commands[split + 1:]):
+        proc = subprocess.run(command, capture_output=True, text=True)
+        print(proc.stdout + proc.stderr, flush=True)
+        if proc.returncode != 0:
+            print(f"gpu_check: error: exit {proc.returncode}: {shlex.join(command)}", file=sys.stderr)
+            return 1
+        runs.append(losses_of(proc.stdout + proc.stderr))
+    reference, got = runs
+    if not reference or sorted(reference) != sorted(got):
+        print(f"gpu_check: error: iterations differ: 1F1B logged {sorted(reference)}, the run {sorted(got)}",
+              file=sys.stderr)
+        return 1
+    diffs = {it: abs(got[it] - reference[it]) / max(abs(reference[it]), 1e-12) for it in reference}
+    last = max(reference)
+    result = {"iterations": len(reference), "max_rel_diff": max(diffs.values()), "rtol": rtol,
+              "last_loss": got[last], "last_reference_loss": reference[last]}
+    print(json.dumps(result), flush=True)
+    return 0 if result["max_rel_diff"] <= rtol else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--compare-losses"]:
+        return compare_losses(argv[1:])
     try:
         args = parse_args(argv)
         gpus = resolve_gpus(args)

@@ -75,7 +75,8 @@ def test_dry_run_with_more_gpus_adds_every_schedule_over_nccl(gpus, sizes):
 def test_every_step_has_a_timeout():
     result = run("--dry-run", "--gpus", "4", "--verify-timeout", "33")
     names = [line for line in result.stdout.splitlines() if line.startswith("# ") and "timeout" in line]
-    assert len(names) == 8 + 2 * len(SCHEDULES)
+    single = [line for line in run("--dry-run", "--gpus", "1").stdout.splitlines() if line.startswith("# ") and "timeout" in line]
+    assert len(names) == len(single) + 2 * len(SCHEDULES) + len(gpu_check.TE_LOSS_RUNS)  # 4 GPUs: every TE loss run
     assert all("(timeout " in line for line in names)
     assert sum("(timeout 33 s" in line for line in names) == 6 + 2 * len(SCHEDULES)
 
@@ -214,3 +215,57 @@ def test_mfu_from_megatron_throughput_and_the_gpu_peak():
     assert "MFU 50.0%" in detail and "494 TFLOP/s/GPU" in detail
     with pytest.raises(ValueError):
         gpu_check._pretrain_result(None, "no numbers here", name="NVIDIA H200")
+
+
+def _loss_commands(gpus: int) -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (1F1B command, schedule command) of the TE loss comparisons the dry run lists."""
+    result = run("--dry-run", "--gpus", str(gpus))
+    lines = result.stdout.splitlines()
+    out = {}
+    for comment, line in zip(lines, lines[1:]):
+        if comment.startswith("# losses "):
+            argv = shlex.split(line)
+            both = argv[argv.index("--") + 1:]
+            split = both.index("--versus")
+            out[comment[len("# losses "):].split("  (")[0]] = (both[:split], both[split + 1:])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus, names", [
+    (1, set()),
+    (2, {"te fp8 v-half vs 1f1b pp2", "te fp8 v-zb vs 1f1b pp2"}),
+    (4, {"te fp8 v-half vs 1f1b pp2", "te fp8 v-zb vs 1f1b pp2", "cp2 v-half vs 1f1b pp2",
+         "tp-comm-overlap v-zb vs 1f1b pp2 tp2"}),
+])
+def test_dry_run_lists_the_te_fp8_cp_and_tp_overlap_runs_against_1f1b(gpus, names):
+    runs = _loss_commands(gpus)
+    assert set(runs) == names
+    for name, (reference, schedule_run) in runs.items():
+        assert value(reference, "--pipeline-schedule") == "1f1b"
+        assert value(schedule_run, "--pipeline-schedule") == name.split(" vs ")[0].split()[-1]
+        strip = [a for a in reference if a not in ("1f1b", "29521")]
+        assert strip == [a for a in schedule_run if a not in (name.split(" vs ")[0].split()[-1], "29523")], \
+            "the two runs differ in the schedule (and port) only"
+        assert value(reference, "--nproc-per-node") == str(gpus if "cp2" in name or "tp2" in name else 2)
+    if gpus >= 4:
+        assert "--fp8-format" in runs["te fp8 v-zb vs 1f1b pp2"][1]
+        assert value(runs["cp2 v-half vs 1f1b pp2"][1], "--context-parallel-size") == "2"
+        assert "--tp-comm-overlap" in runs["tp-comm-overlap v-zb vs 1f1b pp2 tp2"][1]
+
+
+def _fake_run(losses: list[float]) -> list[str]:
+    lines = [f"iteration {i + 1:8d}/{len(losses):8d} | consumed samples: {i} | lm loss: {loss:.6E} | grad norm: 1.0 |"
+             for i, loss in enumerate(losses)]
+    return [sys.executable, "-c", "print(" + repr("\n".join(lines)) + ")"]
+
+
+@pytest.mark.parametrize("got, tol, code", [([10.0, 9.0], 1e-3, 0), ([10.0, 9.1], 1e-3, 1), ([10.0, 9.1], 2e-2, 0),
+                                            ([10.0], 1.0, 1)])
+def test_compare_losses_checks_every_iteration_against_1f1b(capsys, got, tol, code):
+    argv = ["--compare-losses", "--rtol", str(tol), "--", *_fake_run([10.0, 9.0]), "--versus", *_fake_run(got)]
+    assert gpu_check.main(argv) == code
+    out = capsys.readouterr().out
+    if len(got) == 2:
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["iterations"] == 2 and result["max_rel_diff"] == pytest.approx(abs(got[1] - 9.0) / 9.0)

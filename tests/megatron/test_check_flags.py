@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -41,6 +42,14 @@ CASES = {  # name: (vshape check-flags arguments before "--", flags after it)
     "v-half no TE": (["--te-version", "none"], LLAMA + ["--pipeline-schedule", "v-half"]),
     "v-half bad layers": (["--te-version", "2.8"], LLAMA + ["--pipeline-schedule", "v-half", "--num-layers", "30"]),
 }
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_check  # noqa: E402  (the TE loss runs scripts/gpu_check.sh launches)
+
+for _name, _gpus, _extra, _schedule, _ in gpu_check.TE_LOSS_RUNS:
+    for _sched in (_schedule, "1f1b"):
+        CASES[f"gpu_check {_name} {_sched}"] = (["--te-version", "2.8", "--world-size", str(_gpus)],
+                                                [*gpu_check.LOSS_MODEL.split(), *_extra.split(), "--pipeline-schedule", _sched])
 
 DRIVER = textwrap.dedent("""
     import contextlib, io, json, sys
@@ -102,3 +111,14 @@ def test_check_flags_needs_the_double_dash_and_a_valid_version(capsys):
     assert "give the training flags after '--'" in capsys.readouterr().err
     assert main(["check-flags", "--te-version", "two", "--", "--num-layers", "2"]) == 2
     assert "--te-version: expected X.Y or X.Y.Z (e.g. 2.8), got 'two'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_gpu_check_te_runs_pass_the_start_up_checks(verdicts):
+    """What scripts/gpu_check.sh launches must get past the checks (TE route for the split schedule)."""
+    for name, _, _, schedule, _ in gpu_check.TE_LOSS_RUNS:
+        code, lines = verdicts[f"gpu_check {name} {schedule}"]
+        assert code == 0 and lines[0].endswith("split route: TE deferral"), (name, lines)
+        code, lines = verdicts[f"gpu_check {name} 1f1b"]
+        assert code == 0 and lines[0].endswith("split route: no split on Transformer Engine"), (name, lines)
