@@ -25,6 +25,7 @@ from .arguments import (
     ConfigError,
 )
 from .feature_checks import (
+    check_context_parallel,
     check_cpu_backend,
     check_cpu_features,
     check_split_conflicts,
@@ -278,7 +279,7 @@ def check_schedule_builds(args, sizes) -> str | None:
 CHECKS: tuple[Check, ...] = (
     check_pipeline_size, check_world_size, check_memory_limit, check_pipeline_layout, check_v_layers,
     check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
-    check_cpu_features, check_split_conflicts, check_te_split, check_pipeline_costs,
+    check_cpu_features, check_context_parallel, check_split_conflicts, check_te_split, check_pipeline_costs,
     check_watchdog, check_save_writable,
 )
 # Run only when CHECKS found nothing: building the schedule can take seconds at large sizes.

@@ -41,6 +41,23 @@ def check_cpu_features(args, sizes) -> str | None:
     return None
 
 
+def check_context_parallel(args, sizes) -> str | None:
+    """Context parallelism splits each sequence over ranks; only TE's attention exchanges the keys and values."""
+    if sizes.cp <= 1:
+        return None
+    if getattr(args, "cpu", False):
+        return ("--context-parallel-size needs Transformer Engine's context-parallel attention, which --cpu does not "
+                "have; drop --context-parallel-size (or set it to 1)")
+    if effective(args, "transformer_impl") == "local":
+        return ("--context-parallel-size needs Transformer Engine's attention (megatron's local attention asserts on "
+                "it); use --transformer-impl transformer_engine or drop --context-parallel-size")
+    seq_length = getattr(args, "seq_length", None)
+    if seq_length is not None and seq_length % (2 * sizes.cp):
+        return (f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * sizes.cp} "
+                "(each rank takes two of the sequence's 2 x CP chunks); change one of them")
+    return None
+
+
 # Features that reduce, overlap or fuse weight gradients at the moment the full backward ends,
 # which a deferred W (after B, sometimes much later) breaks. (flag, dest, why)
 # --overlap-grad-reduce / --overlap-param-gather and --recompute-granularity run under split schedules
