@@ -11,7 +11,8 @@ import pytest
 
 from megatron_vshape.runtime import ScheduleExecutor
 from megatron_vshape.schedules import DevicePlan, schedule_names
-from megatron_vshape.testing import ModelSettings, RunSpec, SpawnError, run_check
+from megatron_vshape.testing import RunSpec, run_check
+from megatron_vshape.testing.recipe_workers import RecipeSpec, run_recipe_check
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -119,20 +120,37 @@ def test_dp2_pp2_tied_and_untied():
 
 
 @pytest.mark.timeout(400)
-def test_dp2_overlapped_grad_reduce_for_fused_schedules():
-    """With --overlap-grad-reduce the executor launches a chunk's reduction after its last backward."""
-    spec = RunSpec(schedules=("1f1b", "interleaved-1f1b"), pp=2, dp=2, microbatches=4, overlap_grad_reduce=True,
-                   model=ModelSettings(tied_embeddings=True))
-    results = run_check(spec, timeout=300)
-    for name in spec.schedules:
-        _assert_exact(results[name], 4 * spec.dp)
+def test_dp2_overlapped_grad_reduce_launches_each_bucket_after_its_last_w():
+    """--overlap-grad-reduce, fused and split schedules, two iterations, small buckets (several per chunk).
+
+    Every bucket reduction completes at its launch (sync_bucket_launch): a bucket launched before the
+    last W (or, fused, the last backward) of one of its weights leaves that contribution un-reduced and
+    the gradients off (measured: 0.74 relative error when split schedules launched at the last B).
+    Every bucket must launch inside the pass loop in both iterations (in the first, Megatron's
+    finish_grad_sync would otherwise launch it itself, overlapping nothing). Full recomputation too:
+    W then runs on what B recomputed.
+    """
+    spec = RecipeSpec(schedules=("1f1b", "interleaved-1f1b", "zb-1p", "v-half", "v-zb"), pp=2, dp=2,
+                      overlap_grad_reduce=True, sync_bucket_launch=True, iterations=2, recompute=("none", "full-uniform"))
+    results = run_recipe_check(spec, timeout=300)
+    assert len(results) == 10, sorted(results)
+    for name, row in results.items():
+        assert row["num_losses"] == 4 * spec.dp, (name, row)
+        assert row["max_grad_rel_err"] <= TOLERANCE and row["max_loss_abs_err"] <= TOLERANCE, (name, row)
+        assert row["buckets"] > 2 * spec.world_size, (name, row)  # several buckets per chunk
+        assert row["late_launches"] == [0, 0] and row["early_launches"] == [row["buckets"]] * 2, (name, row)
 
 
-@pytest.mark.timeout(300)
-def test_split_schedule_with_overlapped_grad_reduce_fails_before_computing():
-    spec = RunSpec(schedules=("v-zb",), pp=2, microbatches=4, overlap_grad_reduce=True)
-    with pytest.raises(SpawnError, match="overlap-grad-reduce"):
-        run_check(spec, timeout=200)
+@pytest.mark.timeout(400)
+def test_pp4_recomputation_under_split_schedules():
+    """Selective and full (uniform, block) recomputation: W uses what B recomputed, gradients exact."""
+    spec = RecipeSpec(schedules=("zb-1p", "v-min", "v-half", "v-zb"), pp=4, microbatches=8, iterations=1,
+                      recompute=("selective", "full-uniform", "full-block"))
+    results = run_recipe_check(spec, timeout=300)
+    assert len(results) == 12, sorted(results)
+    for name, row in results.items():
+        assert row["num_losses"] == 8 and row["wgrad_deferred"] > 0, (name, row)
+        assert row["max_grad_rel_err"] <= TOLERANCE and row["max_loss_abs_err"] <= TOLERANCE, (name, row)
 
 
 @pytest.mark.timeout(500)
