@@ -96,7 +96,7 @@ def _check_numbers(args) -> None:
 
 
 def _check_args(args) -> None:
-    from megatron_vshape.schedules import SCHEDULES, fuses_backward, get_schedule
+    from megatron_vshape.schedules import SCHEDULES, get_schedule
 
     _check_numbers(args)
     if args.schedule not in SCHEDULES:
@@ -118,8 +118,6 @@ def _check_args(args) -> None:
         raise SystemExit("--spec te needs Transformer Engine's CUDA kernels; add --device cuda or use --spec local")
     if args.distributed_optimizer and args.dtype != "fp32":
         raise SystemExit("--distributed-optimizer checks an fp32 Adam step; drop it or use --dtype fp32")
-    if args.overlap_grad_reduce and not fuses_backward(args.schedule):
-        raise SystemExit(f"--overlap-grad-reduce is not supported with split-backward schedule {args.schedule}; drop it")
     try:
         extra = {} if args.memory_limit is None else {"memory_limit": args.memory_limit}
         get_schedule(args.schedule, args.pp, args.microbatches, **extra)
