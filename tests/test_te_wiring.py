@@ -180,25 +180,32 @@ def test_deferring_te_linears_are_accepted_and_a_w_out_of_b_order_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_split_schedule_defers_w_through_te_backward_dw_with_the_te_standin(mc19_python):
-    """megatron's own TE wrappers over the TE stand-in (TE 2.8's contract), the TE split spec, v-half on
-    two pipeline ranks: W runs through backward_dw(), gradients equal a fused run's, counts > 0 on every rank."""
+@pytest.mark.timeout(400)
+def test_split_schedule_defers_w_through_te_backward_dw_with_the_te_standin_also_under_cp(mc19_python):
+    """megatron's own TE wrappers over the TE stand-in (TE 2.8's contract), the TE split spec, v-half on two
+    pipeline ranks: W runs through backward_dw(), gradients equal a fused one-process run's, the deferred
+    counts (the [vshape] line's) are > 0 on every rank. Then the same with context parallelism 2 (4 ranks):
+    megatron's CP slicing on the V's first and last stage (both on pipeline rank 0), seq/CP p2p messages,
+    the loss averaged over the CP group's tokens."""
     import json
     import subprocess
 
     from megatron_vshape.testing.te_standin_check import environment
 
-    result = subprocess.run([mc19_python, "-m", "megatron_vshape.testing.te_standin_check", "v-half"],
-                            env=environment(), capture_output=True, text=True, timeout=280)
+    result = subprocess.run([mc19_python, "-m", "megatron_vshape.testing.te_standin_check", "--cp", "1,2", "v-half"],
+                            env=environment(), capture_output=True, text=True, timeout=380)
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT")]
     assert lines, result.stderr[-4000:]
-    rows = json.loads(lines[0][len("RESULT"):])["rows"]
-    assert sorted(r["pp_rank"] for r in rows) == [0, 1]
-    for row in rows:
-        got = row["results"]["v-half"]
-        assert got["max_grad_rel_err"] <= 1e-6 and got["max_loss_abs_err"] <= 1e-6, row
-        assert got["wgrad_deferred"] > 0 and got["wgrad_run"] == got["wgrad_deferred"], row
-        # 2 layers per V chunk, 2 chunks, 4 microbatches: qkv+fc1 (LayerNorm+Linear) and proj+fc2 (Linear)
-        assert row["backward_dw_calls"] == {"DeferringTELayerNormColumnParallelLinear": 2 * 2 * 2 * 4,
-                                            "DeferringTERowParallelLinear": 2 * 2 * 2 * 4}, row
+    by_cp = json.loads(lines[0][len("RESULT"):])
+    for cp, tolerance in (("1", 0.0), ("2", 1e-5)):  # CP sums the attention in another order: fp32 rounding
+        rows = by_cp[cp]
+        assert sorted(r["pp_rank"] for r in rows) == sorted([0, 1] * int(cp)), cp
+        for row in rows:
+            got = row["results"]["v-half"]
+            assert got["max_grad_rel_err"] <= tolerance and got["max_loss_abs_err"] <= 1e-6, (cp, row)
+            assert got["wgrad_deferred"] > 0 and got["wgrad_run"] == got["wgrad_deferred"], (cp, row)
+            # 2 layers per V chunk, 2 chunks, 4 microbatches: qkv+fc1 (LayerNorm+Linear) and proj+fc2 (Linear)
+            assert row["backward_dw_calls"] == {"DeferringTELayerNormColumnParallelLinear": 2 * 2 * 2 * 4,
+                                                "DeferringTERowParallelLinear": 2 * 2 * 2 * 4}, (cp, row)
+            # the V's first and last stage are on pipeline rank 0: its ranks (one per CP rank) report every loss
+            assert got["num_losses"] == (4 if row["pp_rank"] == 0 else 0), (cp, row)

@@ -1,12 +1,14 @@
 """The executor's wiring against the Transformer Engine stand-in: a split schedule defers W through TE.
 
-Run as ``python -m megatron_vshape.testing.te_standin_check [SCHEDULE ...]`` with the stand-in on
+Run as ``python -m megatron_vshape.testing.te_standin_check [--cp 1,2] [SCHEDULE ...]`` with the stand-in on
 ``PYTHONPATH`` (:func:`environment`): megatron-core then imports it as Transformer Engine, its own
 wrappers (``megatron.core.extensions.transformer_engine``) subclass the stand-in's modules, and the
 tiny GPT of a split schedule gets the TE split spec (TE's linears with ``delay_wgrad_compute``), as the
 training glue picks it. A single-process reference (fused backward, TE's W right after each B) gives
 the gradients; every pipeline rank reports its gradient error, the executor's deferred/run counts (the
-``[vshape]`` line's figures) and which TE classes ran ``backward_dw()`` how often. Prints one JSON line.
+``[vshape]`` line's figures) and which TE classes ran ``backward_dw()`` how often, at each
+context-parallel size asked (``--cp 1,2``: CP under V placement, with the stand-in's CP attention and
+megatron's CP batch slicing). Prints one JSON line: {cp: [row per rank]}.
 """
 
 from __future__ import annotations
@@ -48,24 +50,32 @@ def te_worker(rank: int, world_size: int, spec, ref_paths: list) -> dict:
     return row
 
 
-def run(schedules: tuple[str, ...], pp: int = 2, microbatches: int = 4) -> dict:
+def run(schedules: tuple[str, ...], pp: int = 2, microbatches: int = 4, cps: tuple[int, ...] = (1,)) -> dict:
+    """One reference, then the pipeline at each context-parallel size: {cp: per-rank rows}."""
     from .spawn import spawn
     from .tiny_gpt import ModelSettings
     from .workers import RunSpec, reference_worker
 
-    spec = RunSpec(schedules, pp=pp, microbatches=microbatches,
-                   model=ModelSettings(num_layers=4 * pp, spec="te", micro_batch_size=1))
+    model = ModelSettings(num_layers=4 * pp, spec="te", micro_batch_size=1)
+    out = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "reference.pt")
-        spawn(reference_worker, 1, ([(spec.model, path)], microbatches, "cpu", True), timeout=200)
-        rows = spawn(te_worker, spec.world_size, (spec, [path]), timeout=200)
-    return {"rows": rows}
+        spawn(reference_worker, 1, ([(model, path)], microbatches, "cpu", True), timeout=200)
+        for cp in cps:
+            spec = RunSpec(schedules, pp=pp, microbatches=microbatches, cp=cp, model=model)
+            out[cp] = spawn(te_worker, spec.world_size, (spec, [path]), timeout=200)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cps = (1,)
+    if "--cp" in argv:  # context-parallel sizes, e.g. 1,2 (the stand-in's CP attention)
+        at = argv.index("--cp")
+        cps = tuple(int(c) for c in argv[at + 1].split(","))
+        del argv[at:at + 2]
     te_standin.install()
-    print("RESULT" + json.dumps(run(tuple(argv) or ("v-half", "v-zb"))), flush=True)
+    print("RESULT" + json.dumps(run(tuple(argv) or ("v-half", "v-zb"), cps=cps)), flush=True)
     return 0
 
 

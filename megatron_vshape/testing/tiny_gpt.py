@@ -22,7 +22,8 @@ class ModelSettings:
     spec: str = "local"  # or "te": the GPU layer spec (see layer_spec)
 
 
-def make_config(model: ModelSettings, pp: int, tp: int, vp: int | None, sequence_parallel: bool, layout=None):
+def make_config(model: ModelSettings, pp: int, tp: int, vp: int | None, sequence_parallel: bool, layout=None,
+                cp: int = 1):
     """``layout``: megatron's PipelineParallelLayerLayout for uneven stages (``runtime.layer_layout``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -33,7 +34,7 @@ def make_config(model: ModelSettings, pp: int, tp: int, vp: int | None, sequence
         ffn_hidden_size=model.ffn_hidden_size,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=model.dtype == "bf16",
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vp, sequence_parallel=sequence_parallel,
         gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
     )
@@ -123,8 +124,17 @@ def microbatch(model: ModelSettings, index: int) -> dict:
 
 
 def forward_step(data_iterator, model):
-    """megatron forward_step_func: mean token loss per microbatch, reported as 'lm loss'."""
+    """megatron forward_step_func: mean token loss per microbatch, reported as 'lm loss'.
+
+    Under context parallelism each rank takes its share of the sequence (megatron's
+    ``get_batch_on_this_cp_rank``) and returns (loss sum, token count) as Megatron-LM's pretrain_gpt
+    does, so Megatron's forward_step averages over the CP group's tokens; the reported loss is the
+    microbatch's mean over all of them."""
+    from megatron.core import parallel_state
+
     batch = next(data_iterator)
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
+        return _cp_forward_step(batch, model, parallel_state.get_context_parallel_group())
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
 
     def loss_func(output_tensor):
@@ -136,3 +146,31 @@ def forward_step(data_iterator, model):
 
 def _data(model: ModelSettings, indices, device: str = "cpu") -> list[dict]:
     return [dict({k: v.to(device) for k, v in microbatch(model, i).items()}, index=i) for i in indices]
+
+
+def _on_this_cp_rank(batch: dict, cp_group) -> dict:
+    """megatron's CP slicing of a batch's sequence tensors (its 0.19 and 0.16 signatures)."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    tensors = {k: batch[k] for k in ("tokens", "labels", "position_ids", "attention_mask")}
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(tensors, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(tensors)
+
+
+def _cp_forward_step(batch, model, cp_group):
+    import torch
+
+    local = _on_this_cp_rank(batch, cp_group)
+    output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+
+    def loss_func(output_tensor):
+        total = output_tensor.float().sum()
+        count = torch.tensor(output_tensor.numel(), dtype=torch.int)
+        report = torch.stack([total.detach(), count.float()])
+        torch.distributed.all_reduce(report, group=cp_group)
+        return total, count, {"lm loss": report[0] / report[1], "mb": batch["index"]}
+
+    return output, loss_func

@@ -23,6 +23,7 @@ class RunSpec:
     pp: int
     tp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallel (needs attention that supports it: the TE stand-in's, or TE's on GPU)
     microbatches: int = 8
     sequence_parallel: bool = False
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -52,7 +53,7 @@ class RunSpec:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def backend(self) -> str:
@@ -146,7 +147,7 @@ def pipeline_worker(rank, world_size, spec: RunSpec, ref_paths: list):
         from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
 
         enable_cpu_mode()
-    parallel_state.initialize_model_parallel(spec.tp, spec.pp)
+    parallel_state.initialize_model_parallel(spec.tp, spec.pp, context_parallel_size=spec.cp)
     model_parallel_cuda_manual_seed(spec.model.seed)
     results = {}
     for (suffix, model), ref_path in zip(spec.variants(), ref_paths):
@@ -180,7 +181,7 @@ def parallel_state_rank(spec: RunSpec, rank: int) -> int:
     try:
         return parallel_state.get_pipeline_model_parallel_rank()
     except Exception:  # already destroyed: recompute from megatron's default order tp-cp-ep-dp-pp
-        return rank // (spec.tp * spec.dp)
+        return rank // (spec.tp * spec.cp * spec.dp)
 
 
 def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, reference: dict) -> dict:
@@ -269,14 +270,14 @@ def _build_pipeline_model(schedule, spec: RunSpec, model_settings: ModelSettings
         # megatron-core ignores the virtual pipeline when PP is 1 (every chunk would build all the
         # layers, numbered from 1): build each chunk as a one-stage model of its own layers instead.
         chunk_settings = replace(model_settings, num_layers=model_settings.num_layers // placement.num_stages)
-        config = make_config(chunk_settings, 1, spec.tp, None, spec.sequence_parallel)
+        config = make_config(chunk_settings, 1, spec.tp, None, spec.sequence_parallel, cp=spec.cp)
     else:
         from megatron_vshape.runtime.layer_layout import megatron_layout
 
         chunk_settings = model_settings
         counts = spec.layout_for(placement.num_stages)
         layout = None if counts is None else megatron_layout(counts, placement)
-        config = make_config(model_settings, spec.pp, spec.tp, vp, spec.sequence_parallel, layout)
+        config = make_config(model_settings, spec.pp, spec.tp, vp, spec.sequence_parallel, layout, cp=spec.cp)
     config.finalize_model_grads_func = finalize_model_grads
     chunks = build_model_chunks(
         placement, parallel_state.get_pipeline_model_parallel_rank(),

@@ -15,8 +15,11 @@ documented contract the B/W split relies on, written from TE's API documentation
   its forward under (``fp8_seen``); the maths stays in the input's dtype.
 * ``DotProductAttention``, ``LayerNorm`` and ``RMSNorm`` compute the plain torch maths.
 
+* Context parallelism: attention all-gathers the keys and values of the CP group (Megatron's
+  2 x CP chunk layout) instead of TE's ring; the maths is the same.
+
 Limits: one tensor-parallel rank (TE's TP communication is not modelled: ``tp_size > 1`` raises),
-no userbuffers, no FP8 numerics, no CP attention. It is only ever put on ``sys.path`` of a test
+no userbuffers, no FP8 numerics, no grouped linear. It is only ever put on ``sys.path`` of a test
 process (:func:`install`, before megatron.core is imported), never pip-installed: megatron-core's own
 wrappers in ``megatron.core.extensions.transformer_engine`` then subclass these classes as they
 subclass TE's on a GPU machine.
