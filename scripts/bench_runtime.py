@@ -59,8 +59,10 @@ def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, war
                 rows[name]["wall_s"].append(wall)
                 rows[name]["cpu_s"].append(cpu)
                 spans[name].append(getattr(func, "last_spans", None))
+    ran = {name: func.schedule(world_size, microbatches) for name, (func, _) in runs.items() if name in schedules}
     parallel_state.destroy_model_parallel()
-    return {"rows": rows, "costs": vars(costs), "measured_costs": vars(measured), "comm_s": comm, "spans": spans}
+    return {"rows": rows, "costs": vars(costs), "measured_costs": vars(measured), "comm_s": comm, "spans": spans,
+            "schedules": ran}
 
 
 def _measure_costs(model, world_size, pp_rank, microbatches, data, iterations: int = 2) -> Costs:
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
         vs = f"{base / wall - 1:+6.1%} speed vs 1f1b" if base else ""
         print(f"  {name:14s} wall {wall * 1000:8.1f} ms  cpu {cpu * 1000:8.1f} ms  {vs}")
         report.append({"schedule": name, "median_wall_s": wall, "median_cpu_s": cpu, **times})
-    idle = idle_table(results, args.pp, args.microbatches, costs, measured, schedules)
+    idle = idle_table(results, measured, schedules)
     print("\n".join(idle["lines"]))
     if args.trace:
         with open(args.trace, "w") as handle:
@@ -189,9 +191,8 @@ def _text(costs: Costs) -> str:
     return f"f={costs.f:.3g} b={costs.b:.3g} w={costs.w:.3g} comm={costs.comm:.3g}"
 
 
-def idle_table(results, pp, microbatches, costs: Costs, measured: Costs, schedules) -> dict:
+def idle_table(results, measured: Costs, schedules) -> dict:
     """Per schedule and rank, the median iteration's timeline summary (see the module docstring)."""
-    from megatron_vshape.runtime import build_forward_backward_func
     from megatron_vshape.schedules import lower, simulate
 
     lines = ["per-rank timeline of the median iteration (ms; outsd = before/after the call while other ranks "
@@ -204,7 +205,7 @@ def idle_table(results, pp, microbatches, costs: Costs, measured: Costs, schedul
         walls = results[0]["rows"][name]["wall_s"]
         median = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]
         per_rank = [r["spans"][name][median] for r in results]
-        schedule = build_forward_backward_func(name.partition(":")[0], costs=costs).schedule(pp, microbatches)
+        schedule = results[0]["schedules"][name]  # the one the ranks ran (not rebuilt: the code may have changed)
         sim = simulate(schedule, measured)
         summaries = summarize(lower(schedule), per_rank, comm)
         for s, sim_idle in zip(summaries, simulated_idle(sim)):
