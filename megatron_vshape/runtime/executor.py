@@ -80,7 +80,9 @@ def build_forward_backward_func(
     a deliberately corrupted plan is caught overrides :meth:`ScheduleExecutor.lower_plans`). With ``record_timeline`` the callable
     keeps ``last_timeline``: (action, start, end) wall-clock seconds of each pass of the last call
     on this rank (CPU timing; on GPU it measures launch, not kernel time), to compare with the
-    simulator or to measure F/B/W costs. With ``replan`` the executor times its passes during the
+    simulator or to measure F/B/W costs, and ``last_spans``: the call's whole wall time split into
+    passes, waits for receives and sends, bookkeeping and the gradient reduction
+    (:mod:`.timeline`). With ``replan`` the executor times its passes during the
     first training iterations and rebuilds the schedule from the measured costs (:mod:`.replan`).
     With ``watchdog`` a pipeline that stops moving is reported on every rank and the job ends
     (:mod:`.watchdog`).
