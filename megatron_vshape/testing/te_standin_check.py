@@ -1,6 +1,6 @@
 """The executor's wiring against the Transformer Engine stand-in: a split schedule defers W through TE.
 
-Run as ``python -m megatron_vshape.testing.te_standin_check [--cp 1,2] [SCHEDULE ...]`` with the stand-in on
+Run as ``python -m megatron_vshape.testing.te_standin_check [--cp 1,2] [--dp N] [--overlap-grad-reduce] [SCHEDULE ...]`` with the stand-in on
 ``PYTHONPATH`` (:func:`environment`): megatron-core then imports it as Transformer Engine, its own
 wrappers (``megatron.core.extensions.transformer_engine``) subclass the stand-in's modules, and the
 tiny GPT of a split schedule gets the TE split spec (TE's linears with ``delay_wgrad_compute``), as the
@@ -50,7 +50,8 @@ def te_worker(rank: int, world_size: int, spec, ref_paths: list) -> dict:
     return row
 
 
-def run(schedules: tuple[str, ...], pp: int = 2, microbatches: int = 4, cps: tuple[int, ...] = (1,)) -> dict:
+def run(schedules: tuple[str, ...], pp: int = 2, microbatches: int = 4, cps: tuple[int, ...] = (1,), dp: int = 1,
+        overlap_grad_reduce: bool = False) -> dict:
     """One reference, then the pipeline at each context-parallel size: {cp: per-rank rows}."""
     from .spawn import spawn
     from .tiny_gpt import ModelSettings
@@ -60,9 +61,10 @@ def run(schedules: tuple[str, ...], pp: int = 2, microbatches: int = 4, cps: tup
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "reference.pt")
-        spawn(reference_worker, 1, ([(model, path)], microbatches, "cpu", True), timeout=200)
+        spawn(reference_worker, 1, ([(model, path)], microbatches * dp, "cpu", True), timeout=200)
         for cp in cps:
-            spec = RunSpec(schedules, pp=pp, microbatches=microbatches, cp=cp, model=model)
+            spec = RunSpec(schedules, pp=pp, microbatches=microbatches, cp=cp, dp=dp,
+                           overlap_grad_reduce=overlap_grad_reduce, model=model)
             out[cp] = spawn(te_worker, spec.world_size, (spec, [path]), timeout=200)
     return out
 
@@ -74,8 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         at = argv.index("--cp")
         cps = tuple(int(c) for c in argv[at + 1].split(","))
         del argv[at:at + 2]
+    dp = 1
+    if "--dp" in argv:  # data-parallel replicas
+        at = argv.index("--dp")
+        dp = int(argv[at + 1])
+        del argv[at:at + 2]
+    overlap = "--overlap-grad-reduce" in argv  # megatron DDP's overlapped bucket reduction
+    argv = [a for a in argv if a != "--overlap-grad-reduce"]
     te_standin.install()
-    print("RESULT" + json.dumps(run(tuple(argv) or ("v-half", "v-zb"), cps=cps)), flush=True)
+    result = run(tuple(argv) or ("v-half", "v-zb"), cps=cps, dp=dp, overlap_grad_reduce=overlap)
+    print("RESULT" + json.dumps(result), flush=True)
     return 0
 
 
