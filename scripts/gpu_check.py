@@ -208,7 +208,7 @@ def hybrid_step(python: str, timeout: float) -> Step:
     argv = [python, "-m", "megatron_vshape.testing.tiny_hybrid", "--pattern", MAMBA_PATTERN, "--schedule", "v-zb",
             "--pp", "1", "--device", "cuda", "--spec", "split", "--hidden-size", "128", "--grad-tol", "1e-4",
             "--timeout", str(int(timeout))]
-    return Step(f"hybrid {MAMBA_PATTERN} v-zb pp1 split", "verify", argv, timeout,
+    return Step(f"hybrid {MAMBA_PATTERN} v-zb one GPU split", "verify", argv, timeout,
                 {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "single")
 
 

@@ -78,7 +78,7 @@ def test_every_step_has_a_timeout():
     single = [line for line in run("--dry-run", "--gpus", "1").stdout.splitlines() if line.startswith("# ") and "timeout" in line]
     assert len(names) == len(single) + 2 * len(SCHEDULES) + len(gpu_check.TE_LOSS_RUNS)  # 4 GPUs: every TE loss run
     assert all("(timeout " in line for line in names)
-    assert sum("(timeout 33 s" in line for line in names) == 6 + 2 * len(SCHEDULES)
+    assert sum("(timeout 33 s" in line for line in names) == 6 + 1 + 2 * len(SCHEDULES)  # + the hybrid Mamba step
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ import json, os, sys, time
 args = sys.argv[1:]
 def opt(name):
     return args[args.index(name) + 1] if name in args else None
-if "megatron_vshape.verify" in args:
+if "megatron_vshape.verify" in args or "megatron_vshape.testing.tiny_hybrid" in args:
     schedule, spec = opt("--schedule"), opt("--spec")
     if schedule == "zb-1p" and spec == "te":  # hangs: must be killed with its children
         pid = os.fork()
@@ -161,7 +161,8 @@ def test_full_run_gives_every_step_a_row_and_kills_hung_steps(tmp_path):
     assert time.monotonic() - start < 60
     assert result.returncode == 1, result.stderr
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert table[0] == "| step | result | seconds | detail |" and len(table) == 1 + 8
+    assert table[0] == "| step | result | seconds | detail |" and len(table) == 1 + 9
+    assert rows_named(out_json, "hybrid M*M-M*M- v-zb one GPU split")["status"] == "PASS"
     rows = {r["name"]: r for r in json.loads(out_json.read_text())["rows"]}
     assert rows["verify v-zb pp1 local bf16"]["status"] == "PASS"
     assert "W deferred/run 66/66" in rows["verify v-zb pp1 local bf16"]["detail"]
@@ -176,6 +177,10 @@ def test_full_run_gives_every_step_a_row_and_kills_hung_steps(tmp_path):
     assert pretrain["status"] == "PASS" and "416 TFLOP/s/GPU" in pretrain["detail"]  # median of iterations 11-20
     for pid in map(int, pids.read_text().split()):  # the hung step and its child are gone
         assert not running(pid)
+
+
+def rows_named(out_json: Path, name: str) -> dict:
+    return {r["name"]: r for r in json.loads(out_json.read_text())["rows"]}[name]
 
 
 def running(pid: int, wait: float = 5.0) -> bool:

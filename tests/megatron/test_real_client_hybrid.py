@@ -3,20 +3,22 @@
 ``--cpu`` builds HybridModel from megatron-core's torch layers (``megatron_vshape.megatron.hybrid_spec``);
 every schedule must print Megatron's own 1F1B losses (to 1e-5), in training and in the evaluations.
 
-The matrix, chosen to fit the CI budget (each launch is mostly start-up, 2-core CI):
+The matrix: each launch costs 30-40 CPU-seconds (mostly start-up), so the required coverage is folded
+into 6 launches (7 two-rank equivalents) instead of 2 patterns x 5 schedules x 2 sizes:
 
 * One pattern holds both families the issue names, ``*-`` x 4 and ``*E`` x 4 (MoE: 4 experts, top-2),
-  interleaved: ``*-*E*-*E*-*E*-*E``. On a V at PP 2 each of the 4 stages holds ``*-*E``; at PP 4 each of
-  the 8 stages holds one ``*-`` or one ``*E``, so every rank runs dense and MoE layers.
-* PP 2, 2 ranks: Megatron's 1F1B (the reference; it saves a checkpoint at iteration 2), then zb-1p,
-  v-min, v-half and v-zb from scratch: 3 iterations and the three evaluations each.
-* PP 4, 4 ranks, once: v-zb resumes the PP 2 1F1B checkpoint at iteration 2. That one launch checks V at
-  PP 4 and "a HybridModel checkpoint saved under one schedule resumes under another" (and another PP):
-  iteration 3 and the evaluations must equal 1F1B's.
-* GPTModel to HybridModel: Megatron-LM's ``pretrain_gpt.py`` (1F1B, 4 layers) saves at iteration 2;
-  ``pretrain_hybrid.py`` with ``*-*-*-*-`` under v-half loads it (Megatron translates GPT layer i into
-  hybrid layers 2i and 2i+1 at load time) and its first step must print GPT's iteration-3 loss. Dropout is
-  off in this pair: the invariant dropout streams are per layer number, and GPT layer i is two hybrid layers.
+  interleaved: ``*-*E*-*E*-*E*-*E``. At PP 2 the 4 V stages hold ``*-*E`` each; at PP 4 the 8 stages hold
+  one ``*-`` or one ``*E`` each, so every rank runs dense and MoE layers.
+* PP 2 from scratch: Megatron's 1F1B (the reference; it saves a checkpoint at iteration 2), zb-1p and
+  v-zb: 3 iterations and the three evaluations each.
+* PP 4 (4 ranks): v-min resumes the PP 2 1F1B checkpoint at iteration 2: V at PP 4, and "a HybridModel
+  checkpoint saved under one schedule resumes under another" (and another PP); iteration 3 and the
+  evaluations must equal 1F1B's.
+* v-half, with the GPTModel-to-HybridModel translation: Megatron-LM's ``pretrain_gpt.py`` (1F1B, 4 layers)
+  saves at iteration 2; ``pretrain_hybrid.py`` with ``*-*-*-*-`` under v-half loads it (Megatron maps GPT
+  layer i to hybrid layers 2i and 2i+1 at load time): iteration 3 and the evaluations must equal GPT's.
+  Dropout is off in this pair: the invariant dropout streams are per layer number, and a GPT layer is two
+  hybrid layers.
 
 MoE runs with ``--disable-bias-linear``: megatron-core 0.19.2's SequentialMLP adds the expert bias in
 place on a view (autograd refuses it, under every schedule); the GPT MoE runs of this project do the same.
@@ -41,7 +43,7 @@ COMMON = ("--cpu --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-
 NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0".split()
 EVALUATIONS = ["eval 3", "eval 3 on test set", "eval 3 on validation set"]
 RUN_TIMEOUT = 300
-SCHEDULES_PP2 = ("zb-1p", "v-min", "v-half", "v-zb")
+SCHEDULES_PP2 = ("zb-1p", "v-zb")
 
 
 def train(python: str, script: Path, schedule: str, pp: int, flags: list[str], iterations: list[int]) -> dict:
@@ -93,25 +95,31 @@ def test_every_schedule_trains_hybrid_model_like_megatron_1f1b(mc19_python, clie
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
-def test_pp4_v_zb_resumes_the_1f1b_checkpoint(mc19_python, client_dir, megatron_1f1b, checkpoints):  # noqa: F811
-    """Saved by 1F1B at PP 2, resumed by V-ZB at PP 4 (8 V stages of one block each): iteration 3 and the
+def test_pp4_v_min_resumes_the_1f1b_checkpoint(mc19_python, client_dir, megatron_1f1b, checkpoints):  # noqa: F811
+    """Saved by 1F1B at PP 2, resumed by V-Min at PP 4 (8 V stages of one block each): iteration 3 and the
     evaluations are 1F1B's."""
-    losses = train(mc19_python, hybrid(client_dir), "v-zb", 4,
+    losses = train(mc19_python, hybrid(client_dir), "v-min", 4,
                    ["--hybrid-layer-pattern", PATTERN, *MOE, "--load", str(checkpoints / "hybrid"), "--ckpt-step", "2"],
                    [3])
     assert "successfully loaded checkpoint" in losses["stdout"]
     assert re.search(r"hybrid pattern stages: \*- \| \*E \| \*- \| \*E \| \*- \| \*E \| \*- \| \*E", losses["stdout"])
-    reference = _losses(megatron_1f1b)
-    assert_same_losses({k: v for k, v in reference.items() if k not in (1, 2)}, _losses(losses))
+    assert_same_losses(_after_iteration_2(megatron_1f1b), _losses(losses))
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 def test_gpt_checkpoint_resumes_as_hybrid_model_under_v_half(mc19_python, client_dir, checkpoints):  # noqa: F811
-    """Megatron's load-time GPT -> HybridModel translation under a V schedule: the first step's loss is GPT's."""
+    """Megatron's load-time GPT -> HybridModel translation under a V schedule: the first step's loss and the
+    evaluations are GPTModel's under 1F1B."""
     gpt = train(mc19_python, client_dir / "pretrain_gpt.py", "1f1b", 2,
                 ["--num-layers", "4", *NO_DROPOUT, "--save", str(checkpoints / "gpt"), "--save-interval", "2"], [1, 2, 3])
     resumed = train(mc19_python, hybrid(client_dir), "v-half", 2,
                     ["--hybrid-layer-pattern", "*-*-*-*-", *NO_DROPOUT, "--load", str(checkpoints / "gpt"),
                      "--ckpt-step", "2"], [3])
     assert "loading a GPT checkpoint into the hybrid model: 4 GPT layers feed 4 attention and 4 MLP" in resumed["stdout"]
-    assert abs(resumed[3] - gpt[3]) <= 1e-5 * abs(gpt[3]), (gpt[3], resumed[3])
+    assert " [vshape] hybrid pattern stages: *- | *- | *- | *- (V: device i holds stages i and 2d-1-i)" \
+        in resumed["stdout"]
+    assert_same_losses(_after_iteration_2(gpt), _losses(resumed))
+
+
+def _after_iteration_2(row: dict) -> dict:
+    return {k: v for k, v in _losses(row).items() if k not in (1, 2)}
