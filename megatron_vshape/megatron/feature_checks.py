@@ -9,6 +9,7 @@ has the signature of :data:`.sizes.Check`; ``checks.CHECKS`` runs them in order.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from importlib import metadata
 
@@ -127,16 +128,22 @@ def te_version_of(args) -> tuple[int, ...] | None:
 
 def _keeps_w_order(args) -> bool:
     """Whether the schedule at this run's sizes runs W in B's order on every stage (TE's FIFO needs it)."""
-    from .. import schedules
-    from ..schedules.validator import keeps_w_order
-
     sizes = Sizes.from_args(args)
     if sizes.num_microbatches is None or sizes.pp < 1:
         return True  # other checks refuse these sizes
-    limit = getattr(args, "pipeline_memory_limit", None)
+    return _w_order_kept(schedule_of(args), sizes.pp, sizes.num_microbatches,
+                         getattr(args, "pipeline_memory_limit", None))
+
+
+@functools.lru_cache(maxsize=64)
+def _w_order_kept(name: str, pp: int, num_microbatches: int, memory_limit: float | None) -> bool:
+    """Built once per size: the route is asked by several checks and resolve_defaults."""
+    from .. import schedules
+    from ..schedules.validator import keeps_w_order
+
     try:
-        kwargs = {"memory_limit": limit} if limit is not None else {}
-        return keeps_w_order(schedules.get_schedule(schedule_of(args), sizes.pp, sizes.num_microbatches, **kwargs))
+        kwargs = {"memory_limit": memory_limit} if memory_limit is not None else {}
+        return keeps_w_order(schedules.get_schedule(name, pp, num_microbatches, **kwargs))
     except (schedules.ScheduleError, ValueError):
         return True  # other checks refuse this schedule
 
@@ -146,6 +153,10 @@ def split_route(args, te_version: Callable[[], tuple | None] | None = None) -> S
     if not (splits_backward(schedule_of(args)) and effective(args, "transformer_impl") == "transformer_engine"
             and getattr(args, "spec", None) in (None, SPLIT_SPEC_ARG, TE_SPLIT_SPEC_ARG)):
         return SplitRoute.NONE
+    from . import hybrid_layout
+
+    if hybrid_layout.is_hybrid(args):  # HybridModel's split spec has megatron's linears (hybrid_spec)
+        return SplitRoute.SPLIT_SPEC
     version = te_version() if te_version is not None else te_version_of(args)
     if version is not None and version[:2] >= TE_DEFERRAL_MIN_VERSION and _keeps_w_order(args):
         return SplitRoute.TE_DEFERRAL
