@@ -1,0 +1,128 @@
+"""Megatron-LM's own recipes under every schedule: its real ``pretrain_gpt.py``, CPU, 4 ranks.
+
+The CPU-runnable flags of NVIDIA's example recipes in Megatron-LM core_v0.19.0 (``examples/llama/
+train_llama3_8b_h100_fp8.sh``, ``examples/mixtral/train_mixtral_8x7b_distributed.sh``,
+``examples/gpt3/train_gpt3_175b_distributed.sh``), scaled down: the Llama shape, the distributed
+optimizer with DP overlap (``--overlap-grad-reduce --overlap-param-gather``), recomputation, and MoE
+with expert parallelism (alltoall dispatcher, auxiliary loss). FP8, ``--moe-grouped-gemm`` and sequence
+parallelism need Transformer Engine / apex (GPU, the TE issue).
+
+Each recipe runs under Megatron's own 1F1B **without** its overlap and recomputation flags (the
+reference: those flags change when work runs, never the maths) and under a schedule with every flag;
+the lm loss must agree to 1e-5 at every iteration. So one comparison says both "same losses as
+Megatron's 1F1B" and "the overlap flags do not change the losses". CI runs one split schedule per
+recipe (4-rank launches cost ~20 s of a 2-core machine each); ``VSHAPE_RECIPES_ALL=1`` runs every
+recipe under 1f1b (with its flags), zb-1p, v-min, v-half and v-zb (``docs/recipes.md`` has that run).
+
+The gradient-exact checks of the same features against a one-process run (PP 2 and 4, MoE with EP 2)
+are ``test_moe_recipe_gradients_exact`` here (megatron-core 0.19: 0.16.1's router needs TE) and
+``tests/runtime/test_executor_exact.py`` (DP overlap, recomputation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+
+import pytest
+from glue_support import LOSS, ROOT, cpu_env, launch_ranks
+from test_real_client import client_dir  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
+TINY = ("--cpu --num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --train-iters 3 --lr 1e-3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 128 --log-interval 1 --eval-interval 100 --eval-iters 0").split()
+LLAMA_SHAPE = ("--swiglu --normalization RMSNorm --position-embedding-type rope --group-query-attention "
+               "--num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights").split()
+DP_OVERLAP = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather".split()
+
+
+class Recipe:
+    """Scaled-down flags of one example recipe: the model and sizes, and the flags that only change
+    when work runs (overlap, recomputation), which the reference run leaves out."""
+
+    def __init__(self, model: str, timing: str, ci_schedule: str):
+        self.model, self.timing, self.ci_schedule = model.split(), timing.split(), ci_schedule
+
+
+RECIPES = {
+    # Llama 3: DP 2 x PP 2, distributed optimizer with DP overlap, per-token loss, selective recomputation.
+    "llama3": Recipe(" ".join(LLAMA_SHAPE) + " --calculate-per-token-loss --pipeline-model-parallel-size 2 "
+                     "--global-batch-size 16", " ".join(DP_OVERLAP) + " --recompute-granularity selective", "v-zb"),
+    # Mixtral: EP 2 x PP 2 (inside DP 2), alltoall dispatcher, auxiliary loss, DP overlap.
+    "mixtral": Recipe(" ".join(LLAMA_SHAPE) + " --num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type "
+                      "aux_loss --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall "
+                      "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 16",
+                      " ".join(DP_OVERLAP), "v-half"),
+    # GPT-3 175B: pipeline-heavy (PP 4 here), full recomputation.
+    "gpt3": Recipe("--pipeline-model-parallel-size 4 --global-batch-size 16",
+                   "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "v-min"),
+}
+ALL_SCHEDULES = ("1f1b", "zb-1p", "v-min", "v-half", "v-zb")
+RUN_ALL = os.environ.get("VSHAPE_RECIPES_ALL") == "1"
+CASES = [(recipe, schedule) for recipe in RECIPES
+         for schedule in (ALL_SCHEDULES if RUN_ALL else (RECIPES[recipe].ci_schedule,))]
+RUN_TIMEOUT = 300
+
+
+def train(python: str, client, schedule: str, flags: list[str]) -> dict[int, float]:
+    result = launch_ranks(python, 4, ["-m", "megatron_vshape.run", str(client / "pretrain_gpt.py")],
+                          ["--pipeline-schedule", schedule, *TINY, *flags], timeout=RUN_TIMEOUT)
+    assert result.returncode == 0, f"{schedule} exited {result.returncode}:\n{result.stdout[-5000:]}"
+    losses = {int(i): float(v) for i, v in LOSS.findall(result.stdout)}
+    assert sorted(losses) == [1, 2, 3], result.stdout[-3000:]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def references(mc19_python, client_dir) -> dict:  # noqa: F811 (client_dir: the fixture above)
+    """Megatron's own 1F1B on each recipe, without the flags that only change when work runs."""
+    return {name: train(mc19_python, client_dir, "1f1b", recipe.model) for name, recipe in RECIPES.items()
+            if any(case[0] == name for case in CASES)}
+
+
+@pytest.mark.timeout(6 * RUN_TIMEOUT)
+@pytest.mark.parametrize("recipe,schedule", CASES)
+def test_recipe_trains_like_megatron_1f1b(mc19_python, client_dir, references, recipe, schedule):  # noqa: F811
+    losses = train(mc19_python, client_dir, schedule, RECIPES[recipe].model + RECIPES[recipe].timing)
+    for i, want in references[recipe].items():
+        assert abs(losses[i] - want) <= 1e-5 * abs(want), (recipe, schedule, i, want, losses[i])
+
+
+MOE_EXACT = textwrap.dedent("""
+    import json
+    from megatron_vshape.testing.recipe_workers import RecipeSpec, run_recipe_check
+
+    if __name__ == "__main__":
+        out = {}
+        for pp, schedules in ((2, ("1f1b", "zb-1p", "v-min", "v-half", "v-zb")), (4, ("1f1b", "v-half", "v-zb"))):
+            out[f"pp{pp}"] = run_recipe_check(RecipeSpec(
+                schedules=schedules, pp=pp, dp=2, ep=2, num_experts=4, overlap_grad_reduce=True,
+                sync_bucket_launch=True, iterations=2, recompute=("none", "selective")), timeout=400)
+        print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.mark.timeout(600)
+def test_moe_recipe_gradients_exact(mc19_python, tmp_path):
+    """MoE (4 experts, top-2, alltoall, aux loss) with EP 2 inside DP 2, at PP 2 and 4, with DP overlap and
+    selective recomputation, two iterations: every gradient (experts and router included) equals a
+    one-process run's, and every bucket launched before finalize_model_grads."""
+    script = tmp_path / "moe_exact.py"
+    script.write_text(MOE_EXACT)
+    proc = subprocess.run([mc19_python, str(script)], capture_output=True, text=True, timeout=560,
+                          env=cpu_env(), cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+    for config, rows in out.items():
+        assert len(rows) == (10 if config == "pp2" else 6), (config, sorted(rows))
+        for name, row in rows.items():
+            assert row["num_losses"] == 8, (config, name, row)
+            assert row["max_grad_rel_err"] <= 1e-6, (config, name, row)
+            assert row["max_loss_abs_err"] <= 1e-6, (config, name, row)
+            assert row["late_launches"] == [0, 0] and row["early_launches"] == [row["buckets"]] * 2, (config, name, row)
+            assert name.startswith("1f1b") or row["wgrad_deferred"] > 0, (config, name, row)
