@@ -146,7 +146,7 @@ def _worker(rank, world_size, model: ModelSettings, ours, torch_rows, microbatch
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     data = [dict(microbatch(model, i), index=i) for i in range(microbatches)]
     batch = {key: torch.cat([d[key] for d in data]) for key in ("tokens", "labels")}
-    costs = (bench_runtime._measure_costs(model, world_size, pp_rank, microbatches, data)
+    costs = (bench_runtime._measure_costs(model, world_size, pp_rank, microbatches, data)[0]
              if measure_costs else Costs())
     runners, built = _build_runners(model, ours, torch_rows, world_size, pp_rank, microbatches, costs, data, batch)
     check = _compare_with_torch(built, data, batch, model, microbatches, pp_rank) if (

@@ -44,7 +44,7 @@ def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, war
     model_parallel_cuda_manual_seed(model.seed)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     data = [dict(microbatch(model, i), index=i) for i in range(microbatches)]
-    measured = _measure_costs(model, world_size, pp_rank, microbatches, data)  # also for the sim column
+    measured, seconds = _measure_costs(model, world_size, pp_rank, microbatches, data)  # also for the sim column
     costs = measured if measure_costs else Costs()
     comm = _measure_comm(model)
     runs = {name: _build_row(name, model, world_size, pp_rank, microbatches, costs, record_timeline=True)
@@ -62,6 +62,7 @@ def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, war
     ran = {name: func.schedule(world_size, microbatches) for name, (func, _) in runs.items() if name in schedules}
     parallel_state.destroy_model_parallel()
     return {"rows": rows, "costs": vars(costs), "measured_costs": vars(measured), "comm_s": comm, "spans": spans,
+            "measured_seconds": seconds,
             "schedules": ran}
 
 
@@ -74,7 +75,7 @@ def _measure_costs(model, world_size, pp_rank, microbatches, data, iterations: i
                            replan=ReplanPolicy(iterations=iterations))
     for _ in range(iterations + 1):  # one warm-up call, then the measured ones; re-plans after the last
         _time_iteration(func, ddp, data, model, microbatches)
-    return func.last_replan.costs
+    return func.last_replan.costs, func.last_replan.measured_seconds
 
 
 def _measure_comm(model) -> float:
@@ -168,7 +169,8 @@ def main(argv=None) -> int:
     print(f"pp={args.pp} m={args.microbatches} layers={args.layers} hidden={args.hidden} seq={args.seq} "
           f"(median of {args.iters}, slowest rank; cpu = busy CPU time of the busiest rank)")
     print(f"  schedule costs: {_text(costs)}; measured (runtime/replan.py's rule): {_text(measured)}; "
-          f"one message {1000 * results[0]['comm_s']:.2f} ms")
+          f"one message {1000 * results[0]['comm_s']:.2f} ms; per V chunk f={1000 * results[0]['measured_seconds']['f']:.1f} ms, "
+          f"batch loading {1000 * results[0]['measured_seconds']['load']:.3f} ms per loading F (not in f)")
     for name, times in rows.items():
         wall, cpu = statistics.median(times["wall_s"]), statistics.median(times["cpu_s"])
         vs = f"{base / wall - 1:+6.1%} speed vs 1f1b" if base else ""

@@ -85,6 +85,7 @@ class PlanExchange:
         # stream wait. Kept (completed ones dropped) so the watchdog can name a stuck operation.
         self._waited: list[tuple[int, list]] = []
         self.timeline: Timeline | None = None  # set by the executor to split waits from bookkeeping
+        self._blocked: tuple[int, list] | None = None  # (position, works) the host is waiting on now
 
     def advance(self, step: int) -> None:
         """Issue every operation that comes before plan step ``step``."""
@@ -130,8 +131,10 @@ class PlanExchange:
             self._waited.append((op.index, works))
             if self.timeline is not None:
                 self.timeline.mark(Category.BOOKKEEPING)
+            self._blocked = (op.index, works)
             for work in works:
                 work.wait()
+            self._blocked = None
             if self.timeline is not None:
                 self.timeline.mark(Category.WAIT_RECV if buffers else Category.WAIT_SEND, str(self._program[op.index]))
             for msg, buffer in buffers:
@@ -154,10 +157,14 @@ class PlanExchange:
 
 
     def pending(self) -> str | None:
-        """The oldest posted operation that has not completed, in words (for the watchdog's thread)."""
+        """In words (for the watchdog's thread): the operation the host is waiting on, else the oldest
+        posted one that has not completed (several may be outstanding: sends are waited for late)."""
         try:
+            blocked = self._blocked
             candidates = sorted([*self._waited, *((pos, entry[0]) for pos, entry in list(self._posted.items()))],
                                 key=lambda item: item[0])
+            if blocked is not None:
+                candidates.insert(0, blocked)
             for position, works in candidates:
                 if not _all_completed(works):
                     return _describe(self._program[position], self._groups.rank)
