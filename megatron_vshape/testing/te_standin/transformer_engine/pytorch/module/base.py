@@ -50,9 +50,26 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.fp8_seen: list[bool] = []  # the FP8 state of each forward (what fp8_autocast set)
         self.primary_weights_in_fp8 = FP8GlobalStateManager.with_fp8_parameters()
 
-    def _mark_deferring_weights(self) -> None:
+    def _init_gemm(self, in_features, out_features, dtype, init_method, bias, parallel_mode, sequence_parallel,
+                   return_bias, tp_group) -> None:
+        """The GEMM's weight (and bias) and settings; deferring weights carry ``skip_backward_post_hook``."""
+        self.in_features, self.out_features = in_features, out_features
+        self.parallel_mode, self.sequence_parallel, self.return_bias = parallel_mode, sequence_parallel, return_bias
+        self.tp_group = tp_group
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        if init_method is not None:
+            init_method(self.weight)
+        self.use_bias = bias
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         if self.wgrad_store.delay_wgrad_compute():
             self.weight.skip_backward_post_hook = True
+
+    def _output(self, inp: torch.Tensor):
+        """y = x W^T, with the bias added or returned (``return_bias``) as TE does."""
+        out = self._linear(inp)
+        if self.return_bias:
+            return out, self.bias
+        return out + self.bias if self.bias is not None else out
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
         self.wgrad_accumulation_and_reduce_hooks.append(hook)

@@ -16,25 +16,15 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if return_layernorm_output:
             raise NotImplementedError("the TE stand-in does not return the layernorm output")
         dtype = params_dtype or torch.float32
-        self.in_features, self.out_features, self.eps = in_features, out_features, eps
-        self.normalization, self.zero_centered_gamma = normalization, zero_centered_gamma
-        self.parallel_mode, self.sequence_parallel, self.return_bias = parallel_mode, sequence_parallel, return_bias
-        self.tp_group = tp_group
+        self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         init = torch.zeros if zero_centered_gamma else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(init(in_features, dtype=dtype))
         self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(in_features, dtype=dtype))
                                 if normalization != "RMSNorm" else None)
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        if init_method is not None:
-            init_method(self.weight)
-        self.use_bias = bias
-        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
-        self._mark_deferring_weights()
+        self._init_gemm(in_features, out_features, dtype, init_method, bias, parallel_mode, sequence_parallel,
+                        return_bias, tp_group)
 
     def forward(self, inp, is_first_microbatch=None, fp8_output=False, **kwargs):
         normed = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization,
                            self.zero_centered_gamma)
-        out = self._linear(normed)
-        if self.return_bias:
-            return out, self.bias
-        return out + self.bias if self.bias is not None else out
+        return self._output(normed)
