@@ -147,8 +147,8 @@ gpt_split_layer_spec = SpecFromTrainingArgs()
 # TransformerConfig refuses without its MoE overlap schedule, and its wrappers' ``backward_dw()`` is a
 # no-op without it. So the config is left alone: each wrapper class gets a subclass whose MRO puts a
 # small TE subclass between megatron's wrapper and TE's module. Megatron's ``__init__`` runs unchanged
-# and its ``super().__init__(...)`` reaches the insert, which adds the keyword; ``backward_dw`` goes
-# straight to TE's.
+# and its ``super().__init__(...)`` reaches the insert, which adds the keyword; the executor's W calls
+# TE's ``backward_dw`` directly.
 
 TE_WRAPPERS = ("TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear",
                "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
@@ -172,9 +172,11 @@ def deferring(wrapper: type) -> type:
         base.__init__(self, *args, **kwargs)
 
     insert = type(f"Deferred{base.__name__}", (base,), {"__init__": __init__, "__module__": __name__})
+    # backward_dw() stays megatron's (a no-op without its config flag), so no megatron code path pops TE's
+    # queue behind the executor's back; the W pass calls TE's own (runtime/te_wgrad.py).
     return type(f"Deferring{wrapper.__name__}", (wrapper, insert),
-                {"backward_dw": base.backward_dw, "__module__": __name__,
-                 "__doc__": f"megatron's {wrapper.__name__}; TE defers its weight gradient to backward_dw()."})
+                {"__module__": __name__,
+                 "__doc__": f"megatron's {wrapper.__name__}; TE defers its weight gradient to TE's backward_dw()."})
 
 
 def _deferring_table() -> dict[type, type]:
