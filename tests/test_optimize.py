@@ -12,11 +12,20 @@ import sys
 import pytest
 from _solver_support import need_solver
 
-from megatron_vshape.schedules import Costs, PlacementKind, ScheduleError, get_schedule, simulate, validate
+from megatron_vshape.schedules import (
+    Costs,
+    PlacementKind,
+    ScheduleError,
+    get_schedule,
+    schedule_from_block,
+    simulate,
+    validate,
+)
 from megatron_vshape.schedules.exact import build_problem, optimize
 from megatron_vshape.schedules.exact import optimum as optimize_module
 from megatron_vshape.schedules.exact.problem import makespan_of, starts_of
 from megatron_vshape.schedules.schedule import one_f_one_b_peak
+from megatron_vshape.schedules.v_schedules import v_min_block
 
 UNEQUAL = Costs.parse("f=1,b=1.1,w=0.9,comm=0.05")
 
@@ -74,11 +83,12 @@ def test_proves_small_cells_and_meets_every_heuristic_within_its_memory(d, m, co
 
 
 def test_beats_v_min_where_the_optimum_is_known_by_the_work_bound():
-    # d=2, m=4 at 1F1B's memory: the optimum is the work itself (no bubble), which V-Min misses.
+    # d=2, m=4 at 1F1B's memory: the optimum is the work itself (no bubble), which the V-Min block misses.
     need_solver()
     found = optimize(2, 4, Costs(), memory_limit=1.0, time_limit=60)
     assert found.result.makespan == pytest.approx(found.result.work_per_device)
-    assert simulate(get_schedule("v-min", 2, 4), Costs()).makespan > found.result.makespan
+    block = schedule_from_block(v_min_block(2), 4, Costs(), "v-min block")
+    assert simulate(block, Costs()).makespan > found.result.makespan
 
 
 def test_looped_placement_at_zb1p_memory():

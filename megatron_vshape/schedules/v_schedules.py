@@ -1,12 +1,21 @@
-"""V-Min and V-Half: the paper's building blocks on the V placement (interval 6 slots)."""
+"""V-Min and V-Half: the paper's building blocks on the V placement (interval 6 slots).
+
+Each is its block's schedule unless a schedule that needs no more memory runs faster (issue 22's
+two families): the V-Half block for V-Min at d = 2, 3, 5 (same steady peak, lower bubble); with
+few microbatches (m <= 2d, d <= 8; any m at d <= 3) the greedy V schedule capped at the block's peak; and the exact
+solver's cached schedule of the cell (exact.solved). ``meta["built_as"]`` names the alternative taken.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from .actions import Kind
 from .blocks import BuildingBlock, fill_w, schedule_from_block
-from .schedule import Costs, Placement, Schedule
+from .inputs import EPS
+from .schedule import Costs, Placement, Schedule, ScheduleError
+from .simulator import simulate
 
 V_INTERVAL = 6  # two chunks x (F, B, W) of one slot each
 
@@ -33,9 +42,67 @@ def v_half_block(num_devices: int) -> BuildingBlock:
     return v_block([(2 * i, 3 * d - 2 - i, 3 * d + x + 2 * i - 1, 6 * d + x - 2 - i) for i in range(d)])
 
 
+# Up to this many microbatches per device V-Half is compared with the greedy at its own memory: with
+# few microbatches the block's warm-up and cool-down dominate and the greedy fills them better
+# (d=4, m=4: bubble 0.306 -> 0.231 under f=1,b=1.1,w=0.9,comm=0.05); from 4d on they agree within 0.002.
+_GREEDY_MAX_MICROBATCHES_PER_DEVICE = 2
+_GREEDY_MAX_DEVICES = 8  # above, the greedy's rule variants cost seconds per build for no gain measured
+_GREEDY_ANY_M_DEVICES = 3  # d = 2, 3: the blocks use 1F1B's memory (d=2) and the greedy wins at any m (cheap here)
+
+
 def v_min(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
-    return schedule_from_block(v_min_block(num_devices), num_microbatches, costs, "v-min")
+    """The V-Min block, or the V-Half block where that needs no more memory and runs faster
+    (d = 2, 3, 5: the V-Min block's turns cost it its memory advantage there)."""
+    block, half = v_min_block(num_devices), v_half_block(num_devices)
+    own = schedule_from_block(block, num_microbatches, costs, "v-min")
+    # Built only where the V-Half block's steady peak is no larger (cheap to check, costly to build).
+    fits = max(half.steady_peak(costs)) <= max(block.steady_peak(costs)) + EPS
+    return _best_within(own, costs, [
+        *([("v-half block", lambda: schedule_from_block(half, num_microbatches, costs, "v-min"))] if fits else []),
+        *_greedy_alternative(own, num_devices, num_microbatches, costs),
+        *_solved_alternatives(num_devices, num_microbatches, costs),
+    ])
 
 
 def v_half(num_devices: int, num_microbatches: int, costs: Costs) -> Schedule:
-    return schedule_from_block(v_half_block(num_devices), num_microbatches, costs, "v-half")
+    """The V-Half block, or with few microbatches the greedy V schedule capped at its peak when faster."""
+    own = schedule_from_block(v_half_block(num_devices), num_microbatches, costs, "v-half")
+    return _best_within(own, costs, [*_greedy_alternative(own, num_devices, num_microbatches, costs),
+                                     *_solved_alternatives(num_devices, num_microbatches, costs)])
+
+
+def _greedy_alternative(own: Schedule, num_devices: int, num_microbatches: int, costs: Costs) -> list:
+    few = num_microbatches <= _GREEDY_MAX_MICROBATCHES_PER_DEVICE * num_devices
+    if num_devices > _GREEDY_MAX_DEVICES or not (few or num_devices <= _GREEDY_ANY_M_DEVICES):
+        return []
+
+    def build() -> Schedule:
+        from .zero_bubble import GreedyFamily, best_greedy  # zero_bubble's builders are heavier imports
+
+        cap = simulate(own, costs).peak_memory_max
+        family = GreedyFamily(own.name, Placement.v_shape, lambda d, c: [cap] * d)
+        return best_greedy(family, num_devices, num_microbatches, costs)
+
+    return [(f"greedy capped at {own.name}'s peak", build)]
+
+
+def _solved_alternatives(num_devices: int, num_microbatches: int, costs: Costs) -> list:
+    """The exact solver's cached schedules of this cell (exact.solved; small cells, exact costs only)."""
+    from .exact.solved import solved_for  # exact imports the registry, which imports this module
+
+    return [("solved (cached)", cell.schedule) for cell in solved_for(num_devices, num_microbatches, costs)]
+
+
+def _best_within(own: Schedule, costs: Costs, alternatives) -> Schedule:
+    """``own``, or the alternative with the smallest makespan whose peak is no larger (ties: ``own``)."""
+    best, best_result, label = own, simulate(own, costs), None
+    peak = best_result.peak_memory_max
+    for name, build in alternatives:
+        try:
+            schedule = build()
+        except ScheduleError:  # e.g. the greedy stalls under this cap
+            continue
+        result = simulate(schedule, costs)
+        if result.peak_memory_max <= peak + EPS and result.makespan < best_result.makespan - EPS:
+            best, best_result, label = schedule, result, name
+    return best if best is own else dataclasses.replace(best, name=own.name, meta={"built_as": label})
