@@ -174,3 +174,29 @@ def test_printed_flags_parse_with_megatrons_parser_and_the_plugins():
     assert args.pipeline_schedule == "v-half" and args.pipeline_layout == "3,4,4,5,5,4,4,3"
     assert args.recompute_granularity == "full" and args.recompute_num_layers == 1
     assert args.global_batch_size == 512 and args.sequence_parallel
+
+
+def test_plan_from_megatron_flags_prints_a_row_and_a_command_per_schedule(capsys):
+    """`vshape plan ... -- <Megatron flags>`: every schedule, V-Half and V-ZB included, gets a row and flags."""
+    from megatron_vshape.planner.cli import main as plan_main
+
+    megatron = SHAPES["llama-8b"] + ["--seq-length", "2048", "--vocab-size", "128256", "--fp8-format", "hybrid"]
+    narrow = ["--tp", "1", "--pp", "4", "--cp", "1", "--micro-batch", "1", "--recompute", "none,selective"]
+    assert plan_main(["--gpus", "16", "--gpu", "h100", "--global-batch-size", "64", *narrow, "--no-layouts",
+                      "--", *megatron]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if "MFU" in line}
+    assert set(rows) == {"1f1b", "zb-1p", "v-min", "v-half", "v-zb"}, out
+    commands = {line.split()[0]: line for line in out.splitlines() if "--pipeline-schedule" in line}
+    for name in ("v-half", "v-zb"):
+        words = commands[name].split()
+        assert words[words.index("--pipeline-schedule") + 1] == name
+        layout = [int(x) for x in words[words.index("--pipeline-layout") + 1].split(",")]
+        assert len(layout) == 8 and sum(layout) == 32  # 32 layers on 8 V stages: uneven, no divisibility rule
+
+
+def test_plan_grid_flags_need_megatron_flags(capsys):
+    from megatron_vshape.planner.cli import main as plan_main
+
+    assert plan_main(["--model", "9.6b", "--gpus", "16", "--global-batch", "64", "--cp", "2"]) == 2
+    assert "--cp applies to Megatron flags" in capsys.readouterr().err

@@ -33,6 +33,9 @@ class Grid:
     cp: Sequence[int] = (1,)
     ep: Sequence[int] = (1,)
     recompute: Sequence[str] = ("none",)
+    # Stop once the best MFU found is within this fraction of every remaining bound (0: exact).
+    # The Megatron-flags grid is wide (CP, EP, recomputation): 0.02 there keeps it to seconds.
+    tolerance: float = 0.0
 
 
 @dataclass
@@ -79,11 +82,31 @@ def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostMod
     times = cost_model.pass_times(model, layout, flash_attention)
     costs = chunk_costs(times, model, stages, recompute_mode(name, layout) == "full", layout.pp)
     work = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches  # two V chunks' worth per device
+    if not layout.uses_slots(model, stages):
+        # Costed per stage: the busiest device does at least the mean work and at least the LM head
+        # (which sits on one device whole; with a 128k vocabulary about 2.6 layers' worth).
+        f, b, w = costs.f / costs_slots(model, layout.pp), costs.b / costs_slots(model, layout.pp), \
+            costs.w / costs_slots(model, layout.pp)  # one layer's F, B, W
+        layer_f, layer_b, layer_w = model.layer_flops(1)
+        head = model.head_flops(1) * (f / layer_f + b / layer_b + w / layer_w)
+        layer = f + b + w
+        if len(set(model.layer_costs)) == 1:  # whole layers: the head's device holds k of them, the
+            # others share the rest, so the busiest holds at least ceil((L - k) / (pp - 1)) (best k)
+            per_microbatch = min(max(head + k * layer, -(-(model.layers - k) // (layout.pp - 1)) * layer)
+                                 for k in range(model.layers + 1))
+        else:
+            per_microbatch = max((model.layers * layer + head) / layout.pp, head)
+        work = per_microbatch * layout.num_microbatches
     forward_per_device = costs.f * 2 * layout.pp / stages  # one F over the device's first stage
     fill = (layout.pp - 1) * (forward_per_device + costs.comm)
     dp = cost_model.dp_exposed(model, layout, times, 2 * (costs.b + costs.w))  # at least what predict charges
     iteration = fill + work + dp + times.optimizer
     return model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.gpu.peak_flops)
+
+
+def costs_slots(model: GPTModel, pp: int) -> float:
+    """Layer slots in one V chunk of the paper's slot model (what :func:`chunk_costs` multiplies by)."""
+    return (model.layers + 2) / (2 * pp)
 
 
 def _static_fits(layout: Layout, model: GPTModel, cost_model: CostModel) -> bool:
@@ -114,18 +137,19 @@ def search(schedules: Sequence[str], model: GPTModel, cost_model: CostModel, gpu
     for name in schedules:
         split_name(name)  # fail fast on a bad name, before any simulation
     candidates = list(layouts(model, gpus, global_batch, grid, cost_model.gpu.gpus_per_node))
-    return [_search_one(name, candidates, model, cost_model, flash_attention) for name in schedules]
+    return [_search_one(name, candidates, model, cost_model, flash_attention, grid.tolerance) for name in schedules]
 
 
-def _search_one(name, candidates, model, cost_model, flash_attention) -> ScheduleSearch:
+def _search_one(name, candidates, model, cost_model, flash_attention, tolerance: float = 0.0) -> ScheduleSearch:
     found = ScheduleSearch(name)
     viable = [c for c in candidates if _runnable(name, c, model)]
     fitting = [c for c in viable if _static_fits(c, model, cost_model)]
     found.skipped = len(viable) - len(fitting)
-    ranked = sorted(fitting, key=lambda c: -_upper_bound(name, c, model, cost_model, flash_attention))
+    bounds = {c: _upper_bound(name, c, model, cost_model, flash_attention) for c in fitting}
+    ranked = sorted(fitting, key=lambda c: -bounds[c])
     out_of_memory: list[Layout] = []
     for index, layout in enumerate(ranked):
-        if found.best is not None and _upper_bound(name, layout, model, cost_model, flash_attention) <= found.best.mfu:
+        if found.best is not None and bounds[layout] * (1 - tolerance) <= found.best.mfu:
             found.skipped += len(ranked) - index
             break
         if any(_dominated(layout, smaller) for smaller in out_of_memory):
