@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from _solver_support import need_solver
 
-from megatron_vshape.schedules import PlacementKind, Schedule, get_schedule, simulate, validate
+from megatron_vshape.schedules import PlacementKind, Schedule, get_schedule, lower, simulate, validate
 from megatron_vshape.schedules.adaptive import choose, v_auto
 from megatron_vshape.schedules.exact import optimize
 from megatron_vshape.schedules.exact.oracle import COST_SETTINGS, HEURISTICS, TOLERANCE
 from megatron_vshape.schedules.exact.solved import solved_cells
+from megatron_vshape.schedules.nccl_model import check_exchange
 from megatron_vshape.schedules.schedule import Placement, looped_stage_work, one_f_one_b_peak
 
 FIXTURE = Path(__file__).parent / "fixtures" / "oracle_cells.json"
@@ -73,6 +74,15 @@ def test_the_cached_solver_schedules_are_real():
         assert result.makespan == pytest.approx(record["makespan"]), _label(record)
         assert result.peak_memory_max <= _cap(record), _label(record)
         assert record["lower_bound"] <= record["makespan"] + EPS
+
+
+def test_the_solver_schedules_cannot_hang_under_nccls_rules():
+    """The GPU rule's CPU model (schedules.nccl_model): the runtime's p2p programs for each solved
+    schedule complete under NCCL's lazy communicators and in-order queues, one queue or one per stream."""
+    for record in CELLS:
+        d = record["devices"]
+        placement = Placement.looped(d) if _looped(record) else Placement.v_shape(d)
+        check_exchange(lower(Schedule.from_text(record["schedule"], "optimal", placement)), single_queue=(True, False))
 
 
 def test_no_heuristic_beats_a_proven_optimum():
