@@ -3,8 +3,8 @@
 In-process tests drive megatron's linear autograd function directly (no process group needed);
 the equivalence tests build ColumnParallelLinear/RowParallelLinear models and a local-spec
 TransformerLayer on 1 or 2 gloo ranks and require bitwise-equal gradients between Megatron's plain
-backward and B-inside-capture followed by W. Run with both megatron-core versions (the 0.19 run goes
-through ``VSHAPE_MC19_PYTHON``, see ``test_wgrad_019``). The backward on autograd's worker threads
+backward and B-inside-capture followed by W, on the installed megatron-core (the executor's exactness on
+the other supported version: ``tests/runtime/test_other_megatron_core.py``). The backward on autograd's worker threads
 (as on GPU) is tested in ``test_wgrad_threads.py``; Transformer Engine in ``test_te_wiring.py``.
 """
 

@@ -93,7 +93,8 @@ def check_v_layers(args, sizes) -> str | None:
     if total % chunks:
         counted = "" if total == args.num_layers else f" (+{total - args.num_layers} for embedding/loss = {total})"
         return (f"--num-layers {args.num_layers}{counted} must be divisible by 2 x --pipeline-model-parallel-size "
-                f"= {chunks} for {name} (two V chunks per rank); use a multiple of {chunks}")
+                f"= {chunks} for {name} (two V chunks per rank); use a multiple of {chunks}, or add "
+                "--pipeline-layout balanced to train uneven stages")
     return None
 
 

@@ -139,7 +139,8 @@ def test_bad_config_fails_on_every_rank_with_one_line_and_no_hang(mc19_python):
         assert returncode == 2, out[-3000:]
         errors = [ln for ln in out.splitlines() if "megatron-vshape error:" in ln]
         assert errors == ["megatron-vshape error: --num-layers 6 must be divisible by 2 x "
-                          "--pipeline-model-parallel-size = 4 for v-half (two V chunks per rank); use a multiple of 4"]
+                          "--pipeline-model-parallel-size = 4 for v-half (two V chunks per rank); use a multiple of 4, "
+                          "or add --pipeline-layout balanced to train uneven stages"]
 
 
 REPLAN = re.compile(r"\[vshape\] rank (\d+): re-planned v-zb after iteration (\d+) from measured costs (\S+): "
