@@ -82,9 +82,14 @@ class CostModel:
         """Link for a group whose consecutive members are ``span`` ranks apart."""
         return self.gpu.nvlink_bandwidth if span < self.gpu.gpus_per_node else self.gpu.internode_bandwidth
 
+    @property
+    def mfu_peak(self) -> float:
+        """The dense peak MFU is measured against: FP8's when the GEMMs run in FP8 (against the bf16
+        peak an FP8 run could pass 100 %), bf16's otherwise."""
+        return self.gpu.fp8_flops if self.fp8 else self.gpu.peak_flops
+
     def _gemm(self, flops: float) -> float:
-        peak = self.gpu.fp8_flops if self.fp8 else self.gpu.peak_flops
-        return flops / (peak * self.efficiency)
+        return flops / (self.mfu_peak * self.efficiency)
 
     def _within_node(self, extent: int) -> float:
         """Bandwidth of a group spanning ``extent`` consecutive ranks (NVLink if it fits one node)."""

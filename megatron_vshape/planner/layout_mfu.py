@@ -73,7 +73,7 @@ def compare_layouts(name: str, model: GPTModel, cost_model: CostModel, layout: L
     costs = chunk_costs(model, cost_model, layout, flash_attention)
     choice = choose_layout(model, base, layout.pp, layout.num_microbatches, costs, flash_attention=flash_attention)
     times = cost_model.pass_times(model, layout, flash_attention)
-    per_second = model.model_flops(layout.global_batch) / (layout.gpus * cost_model.gpu.peak_flops)
+    per_second = model.model_flops(layout.global_batch) / (layout.gpus * cost_model.mfu_peak)
     window = 2 * (costs.w if not fuses_backward(base) else costs.b + costs.w)  # as predict charges it
     return LayoutComparison(name, layout, choice, cost_model.dp_exposed(model, layout, times, window) + times.optimizer,
                             per_second)

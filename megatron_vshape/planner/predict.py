@@ -2,7 +2,7 @@
 
 Iteration time = simulated pipeline makespan + exposed DP gradient sync + optimizer step. Without
 ``--overlap-grad-reduce`` (the paper's setting, the authors' fork) the whole sync is exposed; see
-:meth:`CostModel.dp_exposed`. MFU = Megatron's model FLOPs / (time * GPUs * dense bf16 peak).
+:meth:`CostModel.dp_exposed`. MFU = Megatron's model FLOPs / (time * GPUs * dense peak), the FP8 peak when the GEMMs run in FP8.
 
 Two pipeline cost models: the paper's layer with ``layers + 2`` dividing the stages keeps the
 paper's "embedding and head each take one layer's slot" (its tables were reproduced with it);
@@ -149,7 +149,7 @@ def predict(name: str, layout: Layout, model: GPTModel, cost_model: CostModel,
         sample_m = run.sample.schedule.num_microbatches
         compute = run.sample.work_per_device / sample_m * layout.num_microbatches * run.scale
     bubble = max(0.0, 1.0 - compute / run.span) if run.span > 0 else 0.0
-    mfu = model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.gpu.peak_flops)
+    mfu = model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.mfu_peak)
     placement = run.sample.schedule.placement
     static = static_bytes(model, layout, placement.stages_per_device, stages, cost_model.distributed_optimizer,
                           layers)

@@ -101,7 +101,7 @@ def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostMod
     fill = (layout.pp - 1) * (forward_per_device + costs.comm)
     dp = cost_model.dp_exposed(model, layout, times, 2 * (costs.b + costs.w))  # at least what predict charges
     iteration = fill + work + dp + times.optimizer
-    return model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.gpu.peak_flops)
+    return model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.mfu_peak)
 
 
 def costs_slots(model: GPTModel, pp: int) -> float:
