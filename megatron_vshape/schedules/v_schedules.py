@@ -2,7 +2,8 @@
 
 Each is its block's schedule unless a schedule that needs no more memory runs faster (issue 22's
 two families): the V-Half block for V-Min at d = 2, 3, 5 (same steady peak, lower bubble); with
-few microbatches (m <= 2d, d <= 8; any m at d <= 3) the greedy V schedule capped at the block's peak; and the exact
+few microbatches (m <= 2d, d <= 8; any m at d <= 3) the greedy V schedule capped at the block's peak on
+each device; and the exact
 solver's cached schedule of the cell (exact.solved). ``meta["built_as"]`` names the alternative taken.
 """
 
@@ -79,8 +80,8 @@ def _greedy_alternative(own: Schedule, num_devices: int, num_microbatches: int, 
     def build() -> Schedule:
         from .zero_bubble import GreedyFamily, best_greedy  # zero_bubble's builders are heavier imports
 
-        cap = simulate(own, costs).peak_memory_max
-        family = GreedyFamily(own.name, Placement.v_shape, lambda d, c: [cap] * d)
+        caps = _memory_caps(simulate(own, costs), costs)
+        family = GreedyFamily(own.name, Placement.v_shape, lambda d, c: caps)
         return best_greedy(family, num_devices, num_microbatches, costs)
 
     return [(f"greedy capped at {own.name}'s peak", build)]
@@ -93,16 +94,27 @@ def _solved_alternatives(num_devices: int, num_microbatches: int, costs: Costs) 
     return [("solved (cached)", cell.schedule) for cell in solved_for(num_devices, num_microbatches, costs)]
 
 
+def _memory_caps(own_result, costs: Costs) -> list[float]:
+    """What an alternative may use per device: the block's peak. With uniform stages that is the
+    schedule's peak on every device (the memory the paper's tables and a GPU's capacity speak of); with
+    uneven stages (``costs.stages``) each device's own block peak, since the devices' peaks then differ and
+    the greedy, capped at the maximum, moved memory onto the lighter devices (measured activation bytes
+    then stopped following the simulator: tests/runtime/test_uneven_layout_exact.py at PP 4)."""
+    peaks = list(own_result.peak_memory)
+    return peaks if costs.stages else [max(peaks)] * len(peaks)
+
+
 def _best_within(own: Schedule, costs: Costs, alternatives) -> Schedule:
     """``own``, or the alternative with the smallest makespan whose peak is no larger (ties: ``own``)."""
     best, best_result, label = own, simulate(own, costs), None
-    peak = best_result.peak_memory_max
+    caps = _memory_caps(best_result, costs)
     for name, build in alternatives:
         try:
             schedule = build()
         except ScheduleError:  # e.g. the greedy stalls under this cap
             continue
         result = simulate(schedule, costs)
-        if result.peak_memory_max <= peak + EPS and result.makespan < best_result.makespan - EPS:
+        fits = all(got <= cap + EPS for got, cap in zip(result.peak_memory, caps))
+        if fits and result.makespan < best_result.makespan - EPS:
             best, best_result, label = schedule, result, name
     return best if best is own else dataclasses.replace(best, name=own.name, meta={"built_as": label})
