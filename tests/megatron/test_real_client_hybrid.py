@@ -84,7 +84,8 @@ def _losses(row: dict) -> dict:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
-@pytest.mark.parametrize("schedule", SCHEDULES_PP2)
+@pytest.mark.parametrize("schedule", [pytest.param(name, marks=pytest.mark.extended) if name == "zb-1p" else name
+                                      for name in SCHEDULES_PP2])
 def test_every_schedule_trains_hybrid_model_like_megatron_1f1b(mc19_python, client_dir, megatron_1f1b,  # noqa: F811
                                                                schedule):
     losses = train(mc19_python, hybrid(client_dir), schedule, 2, ["--hybrid-layer-pattern", PATTERN, *MOE], [1, 2, 3])

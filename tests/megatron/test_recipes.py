@@ -10,10 +10,9 @@ parallelism need Transformer Engine / apex (GPU, the TE issue).
 Each recipe runs under Megatron's own 1F1B **without** its overlap and recomputation flags (the
 reference: those flags change when work runs, never the maths) and under a schedule with every flag;
 the lm loss must agree to 1e-5 at every iteration. So one comparison says both "same losses as
-Megatron's 1F1B" and "the overlap flags do not change the losses". CI runs one split schedule for
-the Llama 3 and Mixtral recipes (4-rank launches cost ~20 s of a 2-core machine each; the GPT-3
-recipe's full recomputation is gradient-exact in CI instead); ``VSHAPE_RECIPES_ALL=1`` runs every
-recipe under 1f1b (with its flags), zb-1p, v-min, v-half and v-zb (``docs/recipes.md`` has that run).
+Megatron's 1F1B" and "the overlap flags do not change the losses". The default run trains the Mixtral
+recipe under V-Half (a 4-rank launch costs about a minute of a 2-core machine); ``-m extended`` runs
+every recipe under 1f1b (with its flags), zb-1p, v-min, v-half and v-zb (``docs/recipes.md`` has that run).
 
 The gradient-exact checks of the same features against a one-process run (PP 2 and 4, MoE with EP 2)
 are ``test_moe_recipe_gradients_exact`` here (megatron-core 0.19: 0.16.1's router needs TE) and
@@ -23,7 +22,6 @@ are ``test_moe_recipe_gradients_exact`` here (megatron-core 0.19: 0.16.1's route
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import textwrap
 
@@ -45,28 +43,30 @@ class Recipe:
     """Scaled-down flags of one example recipe: the model and sizes, and the flags that only change
     when work runs (overlap, recomputation), which the reference run leaves out."""
 
-    def __init__(self, model: str, timing: str, ci_schedule: str | None):
-        self.model, self.timing, self.ci_schedule = model.split(), timing.split(), ci_schedule
+    def __init__(self, model: str, timing: str):
+        self.model, self.timing = model.split(), timing.split()
 
 
 RECIPES = {
     # Llama 3: DP 2 x PP 2, distributed optimizer with DP overlap, per-token loss, selective recomputation.
     "llama3": Recipe(" ".join(LLAMA_SHAPE) + " --calculate-per-token-loss --pipeline-model-parallel-size 2 "
-                     "--global-batch-size 16", " ".join(DP_OVERLAP) + " --recompute-granularity selective", "v-zb"),
+                     "--global-batch-size 16", " ".join(DP_OVERLAP) + " --recompute-granularity selective"),
     # Mixtral: EP 2 x PP 2 (inside DP 2), alltoall dispatcher, auxiliary loss, DP overlap.
     "mixtral": Recipe(" ".join(LLAMA_SHAPE) + " --num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type "
                       "aux_loss --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall "
                       "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 16",
-                      " ".join(DP_OVERLAP), "v-half"),
+                      " ".join(DP_OVERLAP)),
     # GPT-3 175B: pipeline-heavy (PP 4 here), full recomputation.
     "gpt3": Recipe("--pipeline-model-parallel-size 4 --global-batch-size 16",
-                   "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
-                   None),  # CI: full recomputation is gradient-exact at PP 2 and 4 in test_executor_exact
+                   "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
 }
 ALL_SCHEDULES = ("1f1b", "zb-1p", "v-min", "v-half", "v-zb")
-RUN_ALL = os.environ.get("VSHAPE_RECIPES_ALL") == "1"
-CASES = [(recipe, schedule) for recipe in RECIPES
-         for schedule in (ALL_SCHEDULES if RUN_ALL else (RECIPES[recipe].ci_schedule,)) if schedule is not None]
+# The default run: Mixtral under V-Half (MoE with EP, the Llama shape, DP overlap); every other recipe x
+# schedule runs with -m extended.
+DEFAULT_CASE = ("mixtral", "v-half")
+CASES = [(recipe, schedule) if (recipe, schedule) == DEFAULT_CASE
+         else pytest.param(recipe, schedule, marks=pytest.mark.extended)
+         for recipe in RECIPES for schedule in ALL_SCHEDULES]
 RUN_TIMEOUT = 300
 
 
@@ -81,41 +81,49 @@ def train(python: str, client, schedule: str, flags: list[str]) -> dict[int, flo
 
 @pytest.fixture(scope="module")
 def references(mc19_python, client_dir) -> dict:  # noqa: F811 (client_dir: the fixture above)
-    """Megatron's own 1F1B on each recipe, without the flags that only change when work runs."""
-    return {name: train(mc19_python, client_dir, "1f1b", recipe.model) for name, recipe in RECIPES.items()
-            if any(case[0] == name for case in CASES)}
+    """Megatron's own 1F1B on each recipe, without the flags that only change when work runs (trained on
+    first use: only the recipes whose tests run)."""
+    cache: dict[str, dict[int, float]] = {}
+
+    def reference(name: str) -> dict[int, float]:
+        if name not in cache:
+            cache[name] = train(mc19_python, client_dir, "1f1b", RECIPES[name].model)
+        return cache[name]
+    return reference
 
 
 @pytest.mark.timeout(6 * RUN_TIMEOUT)
 @pytest.mark.parametrize("recipe,schedule", CASES)
 def test_recipe_trains_like_megatron_1f1b(mc19_python, client_dir, references, recipe, schedule):  # noqa: F811
     losses = train(mc19_python, client_dir, schedule, RECIPES[recipe].model + RECIPES[recipe].timing)
-    for i, want in references[recipe].items():
+    for i, want in references(recipe).items():
         assert abs(losses[i] - want) <= 1e-5 * abs(want), (recipe, schedule, i, want, losses[i])
 
 
 MOE_EXACT = textwrap.dedent("""
-    import json
+    import json, sys
     from megatron_vshape.testing.recipe_workers import RecipeSpec, run_recipe_check
 
     if __name__ == "__main__":
         out = {}
-        for pp, schedules in ((2, ("1f1b", "zb-1p", "v-min", "v-half", "v-zb")), (4, ("1f1b", "v-half", "v-zb"))):
-            out[f"pp{pp}"] = run_recipe_check(RecipeSpec(
-                schedules=schedules, pp=pp, dp=2, ep=2, num_experts=4, overlap_grad_reduce=True,
-                sync_bucket_launch=True, iterations=2, recompute=("none", "selective")), timeout=400)
+        pp = int(sys.argv[1])
+        schedules = {2: ("1f1b", "zb-1p", "v-min", "v-half", "v-zb"), 4: ("1f1b", "v-half", "v-zb")}[pp]
+        out[f"pp{pp}"] = run_recipe_check(RecipeSpec(
+            schedules=schedules, pp=pp, dp=2, ep=2, num_experts=4, overlap_grad_reduce=True,
+            sync_bucket_launch=True, iterations=2, recompute=("none", "selective")), timeout=400)
         print("RESULT" + json.dumps(out))
 """)
 
 
 @pytest.mark.timeout(600)
-def test_moe_recipe_gradients_exact(mc19_python, tmp_path):
+@pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.extended)])
+def test_moe_recipe_gradients_exact(mc19_python, tmp_path, pp):
     """MoE (4 experts, top-2, alltoall, aux loss) with EP 2 inside DP 2, at PP 2 and 4, with DP overlap and
     selective recomputation, two iterations: every gradient (experts and router included) equals a
     one-process run's, and every bucket launched before finalize_model_grads."""
     script = tmp_path / "moe_exact.py"
     script.write_text(MOE_EXACT)
-    proc = subprocess.run([mc19_python, str(script)], capture_output=True, text=True, timeout=560,
+    proc = subprocess.run([mc19_python, str(script), str(pp)], capture_output=True, text=True, timeout=560,
                           env=cpu_env(), cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
