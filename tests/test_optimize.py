@@ -82,6 +82,36 @@ def test_proves_small_cells_and_meets_every_heuristic_within_its_memory(d, m, co
             assert found.result.makespan <= result.makespan + 1e-9, name
 
 
+def test_the_bisection_prover_alone_closes_a_small_cell():
+    # The prover ("a schedule within T?" tests) without the improving search: from the heuristic's
+    # schedule and the chain bound it must reach the optimum that the full solve proves.
+    need_solver()
+    import time
+
+    from megatron_vshape.schedules.exact import cpsat
+    from megatron_vshape.schedules.exact.optimum import warm_start
+
+    costs = UNEQUAL
+    limit = simulate(get_schedule("v-half", 3, 3, costs), costs).peak_memory_max / one_f_one_b_peak(3, costs)
+    problem = build_problem(3, 3, costs, memory_limit=limit)
+    _, hint = warm_start(problem)
+    search = cpsat._Search(problem, hint, problem.lower_bound(), time.perf_counter(), 60.0)
+    cpsat._bisect(search, seed=0)
+    full = optimize(3, 3, costs, memory_limit=limit, time_limit=60)
+    assert full.optimal and search.closed()
+    assert search.upper == round(full.result.makespan * problem.scale)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_one_and_two_workers_prove_the_same_optimum(workers):
+    # One worker: improver, then prover; two: both at once (the prover stops the improver).
+    need_solver()
+    found = optimize(3, 3, UNEQUAL, memory_limit=0.5, time_limit=60, workers=workers)
+    assert found.optimal and found.gap == 0.0
+    assert found.result.makespan == pytest.approx(
+        optimize(3, 3, UNEQUAL, memory_limit=0.5, time_limit=60, workers=3 - workers).result.makespan)
+
+
 def test_beats_v_min_where_the_optimum_is_known_by_the_work_bound():
     # d=2, m=4 at 1F1B's memory: the optimum is the work itself (no bubble), which the V-Min block misses.
     need_solver()
