@@ -255,20 +255,17 @@ def check_schedule_builds(args, sizes) -> str | None:
     import os
 
     from ..progress import phase
-    from ..schedules import Costs, get_schedule, inputs, validate
+    from ..schedules import inputs, validate
+    from .run_schedule import run_schedule
 
     where = f"--pipeline-schedule {name} at PP={sizes.pp} with {sizes.num_microbatches} microbatches"
     try:
         size = inputs.Size(sizes.pp, sizes.num_microbatches, 2, devices_flag="--pipeline-model-parallel-size",
                            microbatches_flag="microbatches (--global-batch-size / (--micro-batch-size x DP))")
         size.check()
-        spec = getattr(args, "pipeline_costs", None)
-        costs = layout.schedule_costs(args, Costs.parse(spec) if spec and spec.strip().lower() != "auto" else Costs())
-        limit = getattr(args, "pipeline_memory_limit", None) if name == AUTO_SCHEDULE else None
-        extra = {} if limit is None else {"memory_limit": limit}
         rank0 = os.environ.get("RANK", "0") == "0"
         with phase(f"checking {where} ({size.passes:,} passes)", size.large and rank0, prefix="megatron-vshape"):
-            validate(get_schedule(name, sizes.pp, sizes.num_microbatches, costs, **extra))
+            validate(run_schedule(args, sizes))
     except ValueError as err:  # ScheduleError, InvalidSchedule, InputError
         text = " ".join(str(err).split())
         for cli_flag, training_flag in _TRAINING_FLAG_NAMES:

@@ -9,7 +9,6 @@ has the signature of :data:`.sizes.Check`; ``checks.CHECKS`` runs them in order.
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable
 from importlib import metadata
 
@@ -127,25 +126,18 @@ def te_version_of(args) -> tuple[int, ...] | None:
 
 
 def _keeps_w_order(args) -> bool:
-    """Whether the schedule at this run's sizes runs W in B's order on every stage (TE's FIFO needs it)."""
+    """Whether the schedule this run trains with (its costs, its layout) runs W in B's order on every
+    stage: TE's FIFO needs it. Built once and shared with the check that it builds (run_schedule)."""
+    from ..schedules.validator import keeps_w_order
+    from .run_schedule import run_schedule
+
     sizes = Sizes.from_args(args)
     if sizes.num_microbatches is None or sizes.pp < 1:
         return True  # other checks refuse these sizes
-    return _w_order_kept(schedule_of(args), sizes.pp, sizes.num_microbatches,
-                         getattr(args, "pipeline_memory_limit", None))
-
-
-@functools.lru_cache(maxsize=64)
-def _w_order_kept(name: str, pp: int, num_microbatches: int, memory_limit: float | None) -> bool:
-    """Built once per size: the route is asked by several checks and resolve_defaults."""
-    from .. import schedules
-    from ..schedules.validator import keeps_w_order
-
     try:
-        kwargs = {"memory_limit": memory_limit} if memory_limit is not None else {}
-        return keeps_w_order(schedules.get_schedule(name, pp, num_microbatches, **kwargs))
-    except (schedules.ScheduleError, ValueError):
-        return True  # other checks refuse this schedule
+        return keeps_w_order(run_schedule(args, sizes))
+    except ValueError:  # ScheduleError, ConfigError of a bad layout: other checks refuse them
+        return True
 
 
 def split_route(args, te_version: Callable[[], tuple | None] | None = None) -> SplitRoute:

@@ -1,0 +1,52 @@
+"""The schedule a run will train with, as the start-up checks see it: built once per process.
+
+Two start-up checks need the run's schedule at the run's size: whether it builds at all
+(``checks.check_schedule_builds``) and whether every stage runs its W passes in B's order
+(``feature_checks.split_route``: Transformer Engine's deferred-W queue needs that order). Both must
+judge the schedule the executor will run, which is built from the run's costs (``--pipeline-costs``,
+plus each stage's work under an uneven ``--pipeline-layout``) and, for v-auto, its memory limit; a
+schedule built from default costs can run its W passes in another order. Building a large schedule
+takes seconds, so it is built once here and both checks read it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import layout
+from .arguments import AUTO_SCHEDULE
+from .sizes import Sizes, schedule_of
+
+
+def run_costs(args):
+    """The costs iteration 1's schedule is built from (``--pipeline-costs auto`` starts from the default
+    costs and re-plans from measured ones later)."""
+    from ..schedules import Costs
+
+    spec = getattr(args, "pipeline_costs", None)
+    base = Costs.parse(spec) if spec and spec.strip().lower() != "auto" else Costs()
+    return layout.schedule_costs(args, base)
+
+
+def run_memory_limit(args) -> float | None:
+    """``--pipeline-memory-limit`` where the schedule takes one (v-auto), else None."""
+    return getattr(args, "pipeline_memory_limit", None) if schedule_of(args) == AUTO_SCHEDULE else None
+
+
+def run_schedule(args, sizes: Sizes):
+    """The schedule iteration 1 runs; raises what building raises (ScheduleError, InputError: ValueError)."""
+    return _build(schedule_of(args), sizes.pp, sizes.num_microbatches, run_costs(args), run_memory_limit(args))
+
+
+def clear() -> None:
+    """Forget the schedules built so far (tests that count builds start from here)."""
+    _build.cache_clear()
+
+
+# A memo of a pure function of its key (no other state): the few schedules of this process's runs.
+@functools.lru_cache(maxsize=4)
+def _build(name: str, pp: int, num_microbatches: int, costs, memory_limit: float | None):
+    from .. import schedules  # looked up per call: tests may wrap get_schedule
+
+    extra = {} if memory_limit is None else {"memory_limit": memory_limit}
+    return schedules.get_schedule(name, pp, num_microbatches, costs, **extra)
