@@ -76,6 +76,33 @@ def test_the_cached_solver_schedules_are_real():
         assert record["lower_bound"] <= record["makespan"] + EPS
 
 
+def test_the_models_memory_precedences_hold_on_every_known_schedule():
+    """The redundant precedences the cap implies (cpsat.memory_precedences, posted in every model)
+    cut off no schedule the tier knows: each solver schedule and each V heuristic at its cell's cap.
+    A cut that removed a feasible schedule would make the solver's "optimal" wrong."""
+    from megatron_vshape.schedules.exact import build_problem
+    from megatron_vshape.schedules.exact.cpsat import memory_precedences
+    from megatron_vshape.schedules.exact.problem import starts_of
+
+    checked = 0
+    for record in CELLS:
+        if _looped(record):
+            continue
+        d, m, costs = record["devices"], record["microbatches"], _costs(record)
+        problem = build_problem(d, m, costs, PlacementKind.V, record["memory_limit"])
+        schedules = [Schedule.from_text(record["schedule"], "optimal", Placement.v_shape(d))]
+        schedules += [get_schedule(name, d, m, costs) for name in ("v-min", "v-half", "v-zb")]
+        for schedule in schedules:
+            if simulate(schedule, costs).peak_memory_max > _cap(record):
+                continue
+            starts = starts_of(problem, schedule)
+            for device in range(d):
+                for before, after in memory_precedences(problem, device):
+                    assert starts[after] >= starts[before] + problem.duration[before], (_label(record), schedule.name)
+                    checked += 1
+    assert checked > 1000
+
+
 def test_the_solver_schedules_cannot_hang_under_nccls_rules():
     """The GPU rule's CPU model (schedules.nccl_model): the runtime's p2p programs for each solved
     schedule complete under NCCL's lazy communicators and in-order queues, one queue or one per stream."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from .problem import ExactProblem, makespan_of, peak_of
 
-__all__ = ["SolveOutcome", "solve", "solver_available"]
+__all__ = ["SolveOutcome", "memory_precedences", "solve", "solver_available"]
 
 _TRACE = bool(os.environ.get("VSHAPE_SOLVER_TRACE"))  # one stderr line per CP-SAT run
 
@@ -194,12 +194,16 @@ def _improve(search: _Search, workers: int, seed: int, seconds: float | None) ->
 
 def _bisect(search: _Search, seed: int) -> None:
     """The prover: "a schedule with makespan <= T?" for T halving [bound, incumbent). A test that
-    ends undecided is not repeated at that target or above: the next one aims lower, where proofs
-    come cheaper."""
+    ends undecided is run once more with presolve's probing switched (on <-> off); undecided again,
+    that target and those above are not tested again: the next one aims lower, where proofs come
+    cheaper. Probing decides some cells and stalls others (measured in docs/optimize.md: d = 4,
+    m = 8 at V-Half's memory, f=1,b=1.1,w=0.9,comm=0.05 needs it; equal costs, time unit 1, spend
+    the whole budget in it), so the level that last decided a test is kept."""
     from ortools.sat.python import cp_model  # optional extra: imported only here
 
     problem = search.problem
     ceiling = search.upper - 1  # the largest target still worth testing
+    probing, retried = True, False
     while not search.closed() and search.bound <= ceiling and search.left() > 0.05:
         target = (search.bound + ceiling) // 2
         model, starts, _ = _model(problem, search.bound, target, True)
@@ -209,6 +213,8 @@ def _bisect(search: _Search, seed: int) -> None:
         solver.parameters.max_time_in_seconds = max(0.05, left / 2 if left > 1 else left)
         solver.parameters.num_workers = 1
         solver.parameters.random_seed = seed
+        if not probing:
+            solver.parameters.cp_model_probing_level = 0
         code = search.run(solver, model)
         if code is None:
             return
@@ -216,11 +222,16 @@ def _bisect(search: _Search, seed: int) -> None:
             search.offer([solver.value(v) for v in starts])
         elif code == cp_model.INFEASIBLE:
             search.raise_bound(target + 1)
+        if code in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
+            retried = False
+        elif not retried:  # the same target once more, probing switched
+            probing, retried = not probing, True
         else:
-            ceiling = target - 1
+            ceiling, retried = target - 1, False
             search.status = solver.status_name(code)
         ceiling = min(ceiling, search.upper - 1)
-        search.trace(f"test makespan <= {target}", solver, code)
+        search.trace(f"test makespan <= {target} (probing {'on' if solver.parameters.cp_model_probing_level else 'off'})",
+                     solver, code)
 
 
 def _model(problem: ExactProblem, lower: int, upper: int, set_times: bool):
@@ -278,26 +289,49 @@ def _lifetimes(model, problem: ExactProblem, starts, device: int) -> None:
 
 
 def _memory_lags(model, problem: ExactProblem, starts, device: int) -> None:
-    """Precedences the cap implies when W frees all of F's activation (microbatches run in order).
+    """Post :func:`memory_precedences` of ``device``: plain precedences, which the chains' bounds
+    and the LP see (redundant with the reservoir)."""
+    for before, after in memory_precedences(problem, device):
+        model.add(starts[after] >= starts[before] + problem.duration[before])
+
+
+def memory_precedences(problem: ExactProblem, device: int) -> list[tuple[int, int]]:
+    """(p, q) pass pairs: q starts after p ends in every schedule within the cap, when W frees all
+    of F's activation (microbatches run in order per stage). Pure Python (tested on every schedule
+    the oracle tier knows, tests/test_optimize_oracle.py).
 
     When F(s, n) starts, stage s holds n + 1 - (its W's ended) activations, so with room for c of
     them W(s, n - c) has ended. On the V, F(s0, n) of the device's first stage precedes F(s1, n) by
     the F chain, so when F(s1, n) starts, s0 also holds n + 1 - (its W's ended): W(s0, n - c') has
-    ended, c' the s0 activations that fit beside one of s1. Redundant with the reservoir, but they
-    are plain precedences, which the chains' bounds and the LP see.
+    ended, c' the s0 activations that fit beside one of s1.
+
+    The other way round: the device's first stage cannot run more than c' microbatches ahead of
+    its later stage. If F(s0, k + c') started before F(s1, k), then when F(s1, k) starts s0 holds
+    k + c' + 1 - (its W's ended) activations, and only W(s0, i) with i < k can have ended (W(s0, i)
+    waits for B(s1, i), so for F(s1, i)): at least c' + 1 of s0 beside F(s1, k) itself, over the
+    cap. So F(s0, k + c') starts after F(s1, k) (one device: after it ends). This is the throttle
+    that idles a device at the start (d = 4, m = 8 at V-Half's memory: device 0 runs 5 F of stage 0,
+    then waits for F of stage 7).
     """
+    if problem.cap_units is None:
+        return []
     m, stages = problem.num_microbatches, problem.placement.num_stages
-    own = problem.placement.stages_per_device[device]
+    own = sorted(problem.placement.stages_per_device[device])  # a later stage's B chain comes back through an earlier one
     if any(problem.memory_delta[(stages + s) * m] for s in own):  # B frees a share: W's count is not the level
-        return
+        return []
     size = {s: problem.memory_delta[s * m] for s in own}
-    pairs = [(s, s, problem.cap_units // size[s]) for s in own]  # (F's stage, W's stage, room)
-    pairs += [(later, first, (problem.cap_units - size[later]) // size[first])
-              for i, first in enumerate(own) for later in own[i + 1:]]
-    for f_stage, w_stage, room in pairs:
-        for n in range(room, m):
-            w = (2 * stages + w_stage) * m + n - room
-            model.add(starts[f_stage * m + n] >= starts[w] + problem.duration[w])
+    out = []
+    for s in own:
+        room = problem.cap_units // size[s]
+        out += [((2 * stages + s) * m + n - room, s * m + n) for n in range(room, m)]
+    for i, first in enumerate(own):
+        for later in own[i + 1:]:
+            room = (problem.cap_units - size[later]) // size[first]
+            if room < 0:  # not even one activation of the later stage fits: the reservoir says so
+                continue
+            out += [((2 * stages + first) * m + n - room, later * m + n) for n in range(room, m)]
+            out += [(later * m + k, first * m + k + room) for k in range(m - room)]
+    return out
 
 
 def _horizon(problem: ExactProblem) -> int:
