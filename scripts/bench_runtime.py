@@ -13,8 +13,10 @@ V-ZB warm-up: one rule for the benchmarks, the executor and the planner).
 Every vshape row records its per-rank timeline (``runtime/timeline.py``); the table after the
 times splits the median iteration of each row per rank into F/B/W, waits for receives and sends,
 bookkeeping and the gradient reduction, with the measured idle (waits + bookkeeping) next to the
-idle predicted by replaying the measured passes (pred) and by the simulator under the measured
-costs (sim). ``--trace FILE`` writes those iterations as one Chrome trace (chrome://tracing).
+idle predicted by replaying the measured passes (pred) and by the simulator: under the measured
+costs of a typical chunk (sim: the costs the schedules are built for) and under each stage's measured
+costs (stg: the embedding's and the LM head's stages are heavier, which no schedule built for equal
+stages can hide). ``--trace FILE`` writes those iterations as one Chrome trace (chrome://tracing).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
+from megatron_vshape.runtime.replan import fold_stages, with_measured_stages
 from megatron_vshape.runtime.timeline import HEADER, chrome_trace, format_rows, simulated_idle, summarize
-from megatron_vshape.schedules import Costs
+from megatron_vshape.schedules import Costs, StageWork
 from megatron_vshape.testing import spawn
 from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
 
@@ -61,7 +64,7 @@ def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, war
                 spans[name].append(getattr(func, "last_spans", None))
     ran = {name: func.schedule(world_size, microbatches) for name, (func, _) in runs.items() if name in schedules}
     parallel_state.destroy_model_parallel()
-    return {"rows": rows, "costs": vars(costs), "measured_costs": vars(measured), "comm_s": comm, "spans": spans,
+    return {"rows": rows, "costs": asdict(costs), "measured_costs": asdict(measured), "comm_s": comm, "spans": spans,
             "measured_seconds": seconds,
             "schedules": ran}
 
@@ -75,7 +78,8 @@ def _measure_costs(model, world_size, pp_rank, microbatches, data, iterations: i
                            replan=ReplanPolicy(iterations=iterations))
     for _ in range(iterations + 1):  # one warm-up call, then the measured ones; re-plans after the last
         _time_iteration(func, ddp, data, model, microbatches)
-    return func.last_replan.costs, func.last_replan.measured_seconds
+    replan = func.last_replan
+    return replan.costs, {**replan.measured_seconds, "stages": [list(row) for row in replan.stage_seconds]}
 
 
 def _measure_comm(model) -> float:
@@ -162,8 +166,8 @@ def main(argv=None) -> int:
     schedules = tuple(s for s in args.schedules.split(",") if s)
     results = spawn(_worker, args.pp, (model, schedules, args.microbatches, args.warmup, args.iters,
                                        not args.unit_costs), timeout=args.timeout)
-    rows, costs = results[0]["rows"], Costs(**results[0]["costs"])
-    measured = Costs(**results[0]["measured_costs"])
+    rows, costs = results[0]["rows"], _costs(results[0]["costs"])
+    measured = _costs(results[0]["measured_costs"])
     base = statistics.median(rows["1f1b"]["wall_s"]) if "1f1b" in rows else None
     report = []
     print(f"pp={args.pp} m={args.microbatches} layers={args.layers} hidden={args.hidden} seq={args.seq} "
@@ -176,7 +180,11 @@ def main(argv=None) -> int:
         vs = f"{base / wall - 1:+6.1%} speed vs 1f1b" if base else ""
         print(f"  {name:14s} wall {wall * 1000:8.1f} ms  cpu {cpu * 1000:8.1f} ms  {vs}")
         report.append({"schedule": name, "median_wall_s": wall, "median_cpu_s": cpu, **times})
-    idle = idle_table(results, measured, schedules)
+    seconds = results[0]["measured_seconds"]
+    staged = with_measured_stages(measured, seconds, [tuple(row) for row in seconds["stages"]], Costs())
+    print("  each stage's measured work (stg% column), x the typical chunk: "
+          + "  ".join(f"stage {i}: f{w.f:.2f} b{w.b:.2f} w{w.w:.2f}" for i, w in enumerate(staged.stages)))
+    idle = idle_table(results, measured, staged, schedules)
     print("\n".join(idle["lines"]))
     if args.trace:
         with open(args.trace, "w") as handle:
@@ -189,17 +197,25 @@ def main(argv=None) -> int:
     return 0
 
 
+def _costs(record: dict) -> Costs:
+    return Costs(**{**record, "stages": tuple(StageWork(**work) for work in record["stages"])})
+
+
 def _text(costs: Costs) -> str:
-    return f"f={costs.f:.3g} b={costs.b:.3g} w={costs.w:.3g} comm={costs.comm:.3g}"
+    text = f"f={costs.f:.3g} b={costs.b:.3g} w={costs.w:.3g} comm={costs.comm:.3g}"
+    if costs.stages:  # each stage's measured work relative to the typical chunk (runtime/replan.py)
+        text += " per stage F x" + "/".join(f"{work.f:.2f}" for work in costs.stages)
+    return text
 
 
-def idle_table(results, measured: Costs, schedules) -> dict:
+def idle_table(results, measured: Costs, staged: Costs, schedules) -> dict:
     """Per schedule and rank, the median iteration's timeline summary (see the module docstring)."""
     from megatron_vshape.schedules import lower, simulate
 
     lines = ["per-rank timeline of the median iteration (ms; outsd = before/after the call while other ranks "
              "run; idle% = waits + bookkeeping + outsd, of the pipeline's span less gsync; "
-             "pred% = replay of the measured passes; sim% = simulator under the measured costs)",
+             "pred% = replay of the measured passes; sim% = simulator under the measured costs of a typical "
+             "chunk, the costs the schedules were built for; stg% = simulator under each stage's measured costs)",
              HEADER]
     records, timelines = [], {}
     comm = results[0]["comm_s"]
@@ -208,13 +224,15 @@ def idle_table(results, measured: Costs, schedules) -> dict:
         median = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]
         per_rank = [r["spans"][name][median] for r in results]
         schedule = results[0]["schedules"][name]  # the one the ranks ran (not rebuilt: the code may have changed)
-        sim = simulate(schedule, measured)
+        sim = simulated_idle(simulate(schedule, measured))
+        stg = simulated_idle(simulate(schedule, fold_stages(staged, schedule.num_stages)))
         summaries = summarize(lower(schedule), per_rank, comm)
-        for s, sim_idle in zip(summaries, simulated_idle(sim)):
-            lines.extend(format_rows(name, [s], sim_idle))
+        for s, sim_idle, stg_idle in zip(summaries, sim, stg):
+            lines.extend(format_rows(name, [s], sim_idle, stg_idle))
             records.append({"schedule": name, "rank": s.rank, "wall_s": s.wall, "span_s": s.span,
                             "outside_s": s.outside, "measured_idle": s.measured_idle,
                             "predicted_idle": s.predicted_idle, "simulated_idle": sim_idle,
+                            "simulated_idle_per_stage": stg_idle,
                             **{c.value: v for c, v in s.totals.items()}})
         timelines[name] = per_rank
     return {"lines": lines, "records": records, "timelines": timelines}

@@ -20,6 +20,11 @@ earn their keep by knowing the real ratios. With ``--pipeline-costs auto`` the e
 5. rebuilds the schedule under those costs and keeps it only if its predicted bubble is lower than the
    current schedule's under the same costs (both numbers are reported).
 
+Each stage's own measured work (:func:`with_measured_stages`) is what the benchmarks simulate to tell
+stage imbalance from executor idle. The schedule is still built for the typical chunk: the generators
+given those per-stage costs built no faster schedule for them (V-ZB at d = 4, m = 8 with a heavy
+embedding and LM head: 3.3 % slower under the same costs; V-Min at d = 2: 1.8 %; equal elsewhere).
+
 What each cost includes: F is megatron's ``forward_step`` (the model chunk's forward; on the last
 stage also the loss) and handing the output to the p2p outbox, **less the time spent in
 ``next(data_iterator)``** (batch loading, timed separately and reported as ``load``: it is not part
@@ -42,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_vshape.schedules import Costs, Kind, Schedule, simulate
+from megatron_vshape.schedules import Costs, Kind, Schedule, StageWork, simulate
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,35 @@ def relative_costs(seconds: dict[str, float], fallback: Costs) -> Costs:
     b = seconds["b"] / f if seconds["b"] > 0 else fallback.b / fallback.f
     w = seconds["w"] / f if seconds["w"] > 0 else fallback.w / fallback.f
     return Costs(f=1.0, b=b, w=w, comm=max(seconds["comm"], 0.0) / f)
+
+
+def with_measured_stages(costs: Costs, seconds: dict[str, float], stage_seconds, base: Costs) -> Costs:
+    """``costs`` (the typical chunk, f = 1) with each stage's measured f, b, w as multipliers of it.
+
+    ``stage_seconds``: (f, b, w) seconds per stage, -1 where no pass of that kind was measured (a stage
+    whose every W ran fused with its B): B and W then take the stage's F ratio. Activation memory keeps
+    ``base``'s per-stage multipliers (the layout's), which timing does not measure."""
+    if not stage_seconds or min(seconds["f"], seconds["b"], seconds["w"]) <= 0:
+        return costs
+    memory = [work.memory for work in base.stages] if len(base.stages) == len(stage_seconds) else None
+    works = []
+    for stage, (f, b, w) in enumerate(stage_seconds):
+        f_ratio = f / seconds["f"] if f > 0 else 1.0
+        works.append(StageWork(f=f_ratio, b=b / seconds["b"] if b > 0 else f_ratio,
+                               w=w / seconds["w"] if w > 0 else f_ratio,
+                               memory=memory[stage] if memory else 1.0))
+    return costs.with_stages(works)
+
+
+def fold_stages(costs: Costs, num_stages: int) -> Costs:
+    """Per-stage costs of a V (2d stages of L/2d layers) for a looped placement of ``num_stages`` = d
+    stages: looped stage i holds the layers of V stages 2i and 2i + 1, so its work is their mean (costs
+    stay per V chunk of layers). Unchanged when the counts already match or stages are uniform."""
+    if len(costs.stages) in (0, num_stages) or len(costs.stages) != 2 * num_stages:
+        return costs
+    pairs = [(costs.stages[2 * i], costs.stages[2 * i + 1]) for i in range(num_stages)]
+    return costs.with_stages(StageWork(*((getattr(a, n) + getattr(b, n)) / 2 for n in ("f", "b", "w", "memory")))
+                             for a, b in pairs)
 
 
 def decide(current: Schedule, rebuilt: Schedule, costs: Costs, after_iteration: int,

@@ -177,19 +177,21 @@ def summarize(plans: Sequence[DevicePlan], timelines: Sequence[Timeline], comm: 
 
 
 HEADER = (f"{'schedule':14s} {'rank':>4s} {'wall ms':>8s} {'F':>6s} {'B':>6s} {'W':>6s} {'w-recv':>6s} "
-          f"{'w-send':>6s} {'bookk':>6s} {'gsync':>6s} {'outsd':>6s} {'idle%':>6s} {'pred%':>6s} {'sim%':>6s}")
+          f"{'w-send':>6s} {'bookk':>6s} {'gsync':>6s} {'outsd':>6s} {'idle%':>6s} {'pred%':>6s} {'sim%':>6s} "
+          f"{'stg%':>6s}")
 
 
-def format_rows(name: str, summaries: Sequence[RankSummary], simulated: float | None = None) -> list[str]:
+def format_rows(name: str, summaries: Sequence[RankSummary], simulated: float | None = None,
+                staged: float | None = None) -> list[str]:
     """Table lines (see :data:`HEADER`): ms per category and outside the call; idle% measured, pred%
-    replayed, sim% simulator."""
+    replayed, sim% the simulator under the typical chunk's costs, stg% under each stage's measured costs."""
     lines = []
     for s in summaries:
         ms = [1000 * s.totals[c] for c in (*COMPUTE, *WAITS, Category.BOOKKEEPING, Category.GRAD_SYNC)]
         ms.append(1000 * s.outside)
-        sim = "" if simulated is None else f"{100 * simulated:6.1f}"
+        sims = " ".join("" if value is None else f"{100 * value:6.1f}" for value in (simulated, staged))
         lines.append(f"{name:14s} {s.rank:4d} {1000 * s.wall:8.1f} " + " ".join(f"{v:6.1f}" for v in ms)
-                     + f" {100 * s.measured_idle:6.1f} {100 * s.predicted_idle:6.1f} {sim}")
+                     + f" {100 * s.measured_idle:6.1f} {100 * s.predicted_idle:6.1f} {sims}".rstrip())
     return lines
 
 

@@ -10,10 +10,13 @@ from megatron_vshape.runtime.replan import (
     ReplanPolicy,
     TimedIterator,
     decide,
+    fold_stages,
     relative_costs,
     typical_chunk,
+    with_measured_stages,
 )
-from megatron_vshape.schedules import Costs, Kind, get_schedule, simulate
+from megatron_vshape.runtime.timeline import simulated_idle
+from megatron_vshape.schedules import Costs, Kind, StageWork, get_schedule, simulate
 
 
 def test_profile_skips_one_warm_up_then_measures_then_is_due_once():
@@ -80,3 +83,27 @@ def test_decide_keeps_the_running_schedule_when_the_rebuilt_one_is_worse():
     assert chosen is good and not replan.switched
     replan, chosen = decide(worse, good, costs, 4, {})
     assert chosen is good and replan.switched and replan.bubble_after < replan.bubble_before
+
+
+def test_each_stage_keeps_its_measured_work_and_shows_the_idle_equal_stages_hide():
+    """The embedding stage and the LM head's stage (both on device 0 of a V) are heavier than the
+    typical chunk: the costs keep each stage's ratio (a stage whose W never ran deferred takes its F's
+    ratio for B and W; memory keeps the layout's). Simulated under them, V-ZB's other devices wait for
+    device 0, which the typical chunk's costs (the ones the schedule is built for) do not show."""
+    stages = ((1.5, 1.2, 0.8), (1.0, 1.0, 0.8), (1.0, 1.0, 0.8), (2.0, -1.0, -1.0))
+    seconds = {**typical_chunk(stages), "comm": 0.0}
+    base = Costs().with_stages([StageWork(memory=m) for m in (1.0, 1.0, 1.0, 3.0)])
+    costs = with_measured_stages(relative_costs(seconds, Costs()), seconds, stages, base)
+    assert [(w.f, w.b, w.w, w.memory) for w in costs.stages] == [
+        (1.5, 1.2, 1.0, 1.0), (1.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 1.0), (2.0, 2.0, 2.0, 3.0)]
+    assert with_measured_stages(Costs(), {"f": 1.0, "b": -1.0, "w": -1.0}, stages, base) == Costs()
+    typical = relative_costs(seconds, Costs())
+    v_zb = get_schedule("v-zb", 2, 8, typical)
+    equal, measured = simulated_idle(simulate(v_zb, typical)), simulated_idle(simulate(v_zb, costs))
+    assert measured[1] > equal[1] + 0.1  # device 1 waits for the heavy device 0
+
+
+def test_fold_stages_gives_a_looped_stage_the_mean_of_its_two_v_chunks():
+    v = Costs().with_stages([StageWork(f=f) for f in (2.0, 1.0, 1.0, 3.0)])
+    assert [w.f for w in fold_stages(v, 2).stages] == [1.5, 2.0]
+    assert fold_stages(v, 4) is v and fold_stages(Costs(), 2) == Costs()
