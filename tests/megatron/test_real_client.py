@@ -113,6 +113,21 @@ def patched_checkout(client_dir, tmp_path_factory) -> Path:
     return copy
 
 
+def test_patch_applies_and_hooks_the_arguments_before_any_megatron_import(patched_checkout):
+    """The patch (patches/README's ``git apply``) applies to Megatron-LM's pretrain_gpt.py and calls the
+    plugin's argument hook before the script's first megatron import (on Python 3.11 the hook also brings
+    the typing.override megatron-core 0.19 imports). Training the patched script is -m extended."""
+    import megatron_vshape
+
+    lines = (patched_checkout / "pretrain_gpt.py").read_text().splitlines()
+    hook = lines.index("hook_arguments()")
+    first_megatron = next(i for i, line in enumerate(lines)
+                          if line.startswith(("from megatron.", "from megatron ", "import megatron")))
+    assert "from megatron_vshape import hook_arguments" in lines[:hook] and hook < first_megatron
+    assert callable(megatron_vshape.hook_arguments)
+
+
+@pytest.mark.extended  # a 4-rank launch plus Megatron's 1F1B reference: about two minutes of a 2-core machine
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 def test_patched_script_trains_a_v_schedule(mc19_python, patched_checkout, megatron_1f1b):
     """``torchrun pretrain_gpt.py`` on the patched copy (no runner), on this interpreter (3.11 included).
