@@ -107,6 +107,7 @@ def test_pp4_v_min_resumes_the_1f1b_checkpoint(mc19_python, client_dir, megatron
     assert_same_losses(_after_iteration_2(megatron_1f1b), _losses(losses))
 
 
+@pytest.mark.extended  # two launches (a GPT run that saves, a hybrid run that loads): -m extended
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 def test_gpt_checkpoint_resumes_as_hybrid_model_under_v_half(mc19_python, client_dir, checkpoints):  # noqa: F811
     """Megatron's load-time GPT -> HybridModel translation under a V schedule: the first step's loss and the
