@@ -29,7 +29,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ itself: reuse bench_runtime
 
@@ -160,7 +160,7 @@ def _worker(rank, world_size, model: ModelSettings, ours, torch_rows, microbatch
                 rows[name]["wall_s"].append(wall)
                 rows[name]["cpu_s"].append(cpu)
     parallel_state.destroy_model_parallel()
-    return {"rows": rows, "costs": asdict(costs), "check": check}
+    return {"rows": rows, "costs": vars(costs), "check": check}
 
 
 def _build_runners(model, ours, torch_rows, world_size, pp_rank, microbatches, costs, data, batch):

@@ -25,11 +25,11 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from megatron_vshape.runtime.replan import fold_stages, with_measured_stages
 from megatron_vshape.runtime.timeline import HEADER, chrome_trace, format_rows, simulated_idle, summarize
-from megatron_vshape.schedules import Costs, StageWork
+from megatron_vshape.schedules import Costs
 from megatron_vshape.testing import spawn
 from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
 
@@ -64,7 +64,7 @@ def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, war
                 spans[name].append(getattr(func, "last_spans", None))
     ran = {name: func.schedule(world_size, microbatches) for name, (func, _) in runs.items() if name in schedules}
     parallel_state.destroy_model_parallel()
-    return {"rows": rows, "costs": asdict(costs), "measured_costs": asdict(measured), "comm_s": comm, "spans": spans,
+    return {"rows": rows, "costs": vars(costs), "measured_costs": vars(measured), "comm_s": comm, "spans": spans,
             "measured_seconds": seconds,
             "schedules": ran}
 
@@ -166,8 +166,8 @@ def main(argv=None) -> int:
     schedules = tuple(s for s in args.schedules.split(",") if s)
     results = spawn(_worker, args.pp, (model, schedules, args.microbatches, args.warmup, args.iters,
                                        not args.unit_costs), timeout=args.timeout)
-    rows, costs = results[0]["rows"], _costs(results[0]["costs"])
-    measured = _costs(results[0]["measured_costs"])
+    rows, costs = results[0]["rows"], Costs(**results[0]["costs"])
+    measured = Costs(**results[0]["measured_costs"])
     base = statistics.median(rows["1f1b"]["wall_s"]) if "1f1b" in rows else None
     report = []
     print(f"pp={args.pp} m={args.microbatches} layers={args.layers} hidden={args.hidden} seq={args.seq} "
@@ -197,15 +197,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _costs(record: dict) -> Costs:
-    return Costs(**{**record, "stages": tuple(StageWork(**work) for work in record["stages"])})
-
-
 def _text(costs: Costs) -> str:
-    text = f"f={costs.f:.3g} b={costs.b:.3g} w={costs.w:.3g} comm={costs.comm:.3g}"
-    if costs.stages:  # each stage's measured work relative to the typical chunk (runtime/replan.py)
-        text += " per stage F x" + "/".join(f"{work.f:.2f}" for work in costs.stages)
-    return text
+    return f"f={costs.f:.3g} b={costs.b:.3g} w={costs.w:.3g} comm={costs.comm:.3g}"
 
 
 def idle_table(results, measured: Costs, staged: Costs, schedules) -> dict:

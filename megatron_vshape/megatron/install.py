@@ -43,7 +43,7 @@ from .arguments import (
     exit_on_error,
     validate,
 )
-from .checks import parse_pipeline_costs, watchdog_seconds
+from .checks import watchdog_seconds
 from .model_chunks import v_stage_predicates, wrap_model_construction
 from .patches import Group as PatchGroup
 from .patches import check as check_patches
@@ -156,16 +156,17 @@ def _build_inner(args, name: str):
         return None  # resolved per call: Megatron's own function for the current groups
     from megatron_vshape.runtime import build_forward_backward_func
     from megatron_vshape.runtime.replan import ReplanPolicy
-    from megatron_vshape.schedules import Costs
+
+    from .run_schedule import run_costs  # the costs the start-up checks built and validated the schedule from
 
     limit = args.pipeline_memory_limit if name == AUTO_SCHEDULE else None
+    costs = run_costs(args)
     spec = getattr(args, "pipeline_costs", None)
     if spec is not None and spec.strip().lower() == "auto":
         output = Path(args.pipeline_costs_out) if args.pipeline_costs_out else None
         policy = ReplanPolicy(iterations=args.pipeline_costs_iters, output=output)
-        return build_forward_backward_func(name, costs=layout.schedule_costs(args, Costs()), memory_limit=limit,
-                                           replan=policy, watchdog=_watchdog(args))
-    costs = layout.schedule_costs(args, parse_pipeline_costs(spec) if spec is not None else Costs())
+        return build_forward_backward_func(name, costs=costs, memory_limit=limit, replan=policy,
+                                           watchdog=_watchdog(args))
     return build_forward_backward_func(name, costs=costs, memory_limit=limit, watchdog=_watchdog(args))
 
 

@@ -19,12 +19,13 @@ from .sizes import Sizes, schedule_of
 
 
 def run_costs(args):
-    """The costs iteration 1's schedule is built from (``--pipeline-costs auto`` starts from the default
-    costs and re-plans from measured ones later)."""
+    """The costs iteration 1's schedule is built from, by the checks and by ``install`` alike
+    (``--pipeline-costs auto`` starts from the default costs and re-plans from measured ones later)."""
     from ..schedules import Costs
+    from .checks import parse_pipeline_costs
 
     spec = getattr(args, "pipeline_costs", None)
-    base = Costs.parse(spec) if spec and spec.strip().lower() != "auto" else Costs()
+    base = parse_pipeline_costs(spec) if spec and spec.strip().lower() != "auto" else Costs()
     return layout.schedule_costs(args, base)
 
 

@@ -279,8 +279,8 @@ def with_measured_stages(costs: Costs, seconds: dict[str, float], stage_seconds,
 def fold_stages(costs: Costs, num_stages: int) -> Costs:
     """Per-stage costs of a V (2d stages of L/2d layers) for a looped placement of ``num_stages`` = d
     stages: looped stage i holds the layers of V stages 2i and 2i + 1, so its work is their mean (costs
-    stay per V chunk of layers). Unchanged when the counts already match or stages are uniform."""
-    if len(costs.stages) in (0, num_stages) or len(costs.stages) != 2 * num_stages:
+    stay per V chunk of layers). Unchanged unless ``costs`` has exactly 2 x ``num_stages`` stages."""
+    if len(costs.stages) != 2 * num_stages:
         return costs
     pairs = [(costs.stages[2 * i], costs.stages[2 * i + 1]) for i in range(num_stages)]
     return costs.with_stages(StageWork(*((getattr(a, n) + getattr(b, n)) / 2 for n in ("f", "b", "w", "memory")))
