@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,12 +70,13 @@ def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout
 
 def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], timeout: float, cwd: Path = ROOT,
                  attempts: int = 3) -> subprocess.CompletedProcess:
-    """The ranks ``torchrun`` would start, started directly: same environment, and like torchrun, the
-    first rank that fails stops the others. Returns every rank's output, rank 0 first.
+    """The ranks ``torchrun`` would start, forked from one interpreter that imported torch and Megatron
+    (:func:`_run_ranks`): same environment, and like torchrun, the first rank that fails stops the
+    others. Returns every rank's output, rank 0 first.
 
-    torchrun's own process (an elastic agent that imports torch) costs about 3 s of CPU per launch
-    here, a sixth of a tiny training run; the tests that launch many runs use this, and the
-    commands the README and the patch README give keep ``torchrun`` (:func:`torchrun`).
+    torchrun's own process (an elastic agent that imports torch) costs about 3 s of CPU per launch, and
+    each fresh rank about 8 s of imports: most of a tiny training run on 2 cores. The tests that launch
+    many runs use this; the commands the README and the patch README give keep ``torchrun`` (:func:`torchrun`).
     """
     def launch(port: int) -> subprocess.CompletedProcess:
         ranks = _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd, stop_on_failure=True)
@@ -106,11 +107,6 @@ def _on_free_ports(launch, attempts: int):
     raise AssertionError("unreachable")
 
 
-def _rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
-    return cpu_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 @dataclass(frozen=True)
 class Ranks:
     """The ranks of one launch: exit codes (None: stopped after another rank failed) and outputs, in rank order."""
@@ -129,33 +125,38 @@ class Ranks:
 
 def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: float, cwd: Path,
                stop_on_failure: bool) -> Ranks:
-    """One launch: every rank's (exit code, output). On the timeout (or, with ``stop_on_failure``, the
-    first failure) every rank's process group is killed; a timeout fails the test."""
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
-    procs = [subprocess.Popen([python, *argv], cwd=cwd, env=_rank_env(rank, nproc, port), stdout=log,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for rank, log in enumerate(logs)]
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            done = all(code is not None for code in codes) or (stop_on_failure and any(codes))
-            if done or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-    if not done:
+    """One launch: every rank's (exit code, output), the ranks forked from one interpreter that imported
+    torch and Megatron once (:mod:`megatron_vshape.testing.fork_ranks`). On the timeout the launch's
+    process group is killed and the test fails; with ``stop_on_failure`` the first failed rank stops
+    the others."""
+    with tempfile.TemporaryDirectory() as logs:
+        cmd = [python, "-m", "megatron_vshape.testing.fork_ranks", str(nproc), str(port), logs,
+               "1" if stop_on_failure else "0", "--", *argv]
+        proc = subprocess.Popen(cmd, cwd=cwd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            timed_out = True
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        outputs = tuple(_read(Path(logs) / f"rank{rank}.log") for rank in range(nproc))
+    if timed_out:
         pytest.fail(f"timed out after {timeout}s: {' '.join(argv)}\n{''.join(outputs)[-4000:]}")
-    return Ranks(tuple(codes), tuple(outputs))
+    try:
+        codes = json.loads(out.strip().splitlines()[-1])["codes"]
+    except (IndexError, ValueError, KeyError):
+        pytest.fail(f"the rank launcher failed (exit {proc.returncode}): {' '.join(argv)}\n{out[-4000:]}")
+    return Ranks(tuple(codes), outputs)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 # Megatron's iteration log line: "iteration 3/ 5 | ... | lm loss: 4.524867E+00 | ..."

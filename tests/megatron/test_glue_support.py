@@ -1,6 +1,7 @@
 """The tests' launchers: torchrun picks a new port when another process took the one it picked; ranks
 started directly get torchrun's environment, and a failing or hung launch ends like under torchrun."""
 
+import json
 import subprocess
 import sys
 import time
@@ -95,3 +96,35 @@ def test_ranks_by_hand_each_run_to_their_end(tmp_path):
         sys.executable, [*_rank_script(tmp_path), "fail-then-finish"], 2, timeout=30)
     assert (code0, code1) == (0, 7)
     assert "rank 0 finished" in out0 and out1.startswith("rank 1 of 2")
+
+
+ENTRY_PROBE = """
+import json, os, sys, threading, time
+def late():
+    time.sleep(0.5)
+    print("non-daemon thread finished", flush=True)
+threading.Thread(target=late).start()
+print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd()}))
+if sys.argv[-1] == "raise":
+    raise RuntimeError("uncaught")
+"""
+
+
+@pytest.mark.slow
+def test_forked_ranks_run_their_entry_as_python_would(tmp_path):
+    """Each rank runs the entry as ``__main__`` with ``python script.py``'s argv and sys.path[0] (the
+    script's directory), waits for its non-daemon threads like an interpreter exit, and an uncaught
+    exception prints its traceback and exits 1; ``-m module`` entries run too."""
+    script = tmp_path / "probe_entry.py"
+    script.write_text(ENTRY_PROBE)
+    ranks = glue_support.run_ranks_by_hand(sys.executable, [str(script), "--flag", "x"], 2, timeout=60)
+    for code, output in ranks:
+        assert code == 0, output
+        probe = json.loads(output.splitlines()[0])
+        assert probe["name"] == "__main__" and probe["argv"] == [str(script), "--flag", "x"]
+        assert probe["path0"] == str(tmp_path) and probe["cwd"] == str(glue_support.ROOT)
+        assert output.splitlines()[-1] == "non-daemon thread finished"
+    failed = glue_support.launch_ranks(sys.executable, 2, [str(script)], ["raise"], timeout=60)
+    assert failed.returncode == 1 and "RuntimeError: uncaught" in failed.stdout
+    module = glue_support.launch_ranks(sys.executable, 1, ["-m", "json.tool", "--help"], [], timeout=60)
+    assert module.returncode == 0 and "usage:" in module.stdout and "json.tool" in module.stdout

@@ -1,0 +1,126 @@
+"""Start the ranks of one training launch by forking one interpreter that has imported torch and Megatron.
+
+    python -m megatron_vshape.testing.fork_ranks NPROC PORT LOG_DIR STOP_ON_FAILURE -- ENTRY [ARGS ...]
+
+ENTRY is what would follow ``python`` on torchrun's command line: ``script.py`` or ``-m module``. Each
+rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT), runs ENTRY as ``__main__`` exactly as ``python ENTRY`` would (``sys.argv``,
+``sys.path[0]``, exit code), and writes stdout and stderr to ``LOG_DIR/rank{r}.log``. The last line
+this process prints is every rank's exit code, as JSON (null: killed after another rank failed, when
+STOP_ON_FAILURE is 1).
+
+Why: importing torch, megatron-core and megatron.training costs each rank about 8 s of CPU, most of a
+tiny training run, and a test machine with 2 cores runs dozens of launches. Forked ranks share one
+import. Nothing is initialised before the fork (no process group, no threads beyond the interpreter's,
+no CUDA): the ranks start from what ``import`` alone leaves, as fresh interpreters would. The tests'
+launch helpers use this; the commands the README gives keep ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+
+# Imported once before forking. megatron.training needs the Python 3.11 shim that every entry applies
+# first anyway (training_cpu.patch_python_compat); an environment without it (megatron-core 0.16)
+# preloads what it has and lets the entry report the rest.
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+           "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.training")
+
+
+def preload() -> None:
+    from megatron_vshape.megatron.training_cpu import patch_python_compat
+
+    patch_python_compat()
+    with warnings.catch_warnings():  # each rank's log keeps its own warnings only
+        warnings.simplefilter("ignore")
+        for name in PRELOAD:
+            try:
+                __import__(name)
+            except Exception:  # noqa: BLE001 - the rank that needs it raises the real error
+                return
+
+
+def _exit_code(err: SystemExit) -> int:
+    if err.code is None or isinstance(err.code, int):
+        return err.code or 0
+    print(err.code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
+    return 1
+
+
+def run_rank(rank: int, nproc: int, port: int, log_path: str, entry: list[str]) -> None:
+    """In the forked child: become rank ``rank`` and run ``entry``; never returns."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 0
+    try:
+        if entry[0] == "-m":
+            sys.argv = [entry[1], *entry[2:]]
+            runpy.run_module(entry[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(entry[0])
+            sys.argv = [entry[0], *entry[1:]]
+            sys.path[0] = os.path.dirname(script)  # as `python script.py`: its directory, not the cwd
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as err:
+        code = _exit_code(err)
+    except BaseException:  # noqa: B036 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    finally:
+        threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def launch(nproc: int, port: int, log_dir: str, stop_on_failure: bool, entry: list[str]) -> list[int | None]:
+    preload()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            run_rank(rank, nproc, port, os.path.join(log_dir, f"rank{rank}.log"), entry)
+        pids.append(pid)
+    codes: list[int | None] = [None] * nproc
+    while any(code is None for code in codes):
+        pid, status = os.wait()
+        rank = pids.index(pid)
+        codes[rank] = os.waitstatus_to_exitcode(status)
+        if codes[rank] and stop_on_failure:  # like torchrun: one failed rank ends the launch
+            for other, other_pid in enumerate(pids):
+                if codes[other] is None:
+                    os.kill(other_pid, signal.SIGKILL)
+            for other, other_pid in enumerate(pids):
+                if codes[other] is None:
+                    os.waitpid(other_pid, 0)
+            break
+    return codes
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    nproc, port, log_dir, stop_on_failure = argv[:split]
+    started = time.monotonic()
+    codes = launch(int(nproc), int(port), log_dir, stop_on_failure == "1", argv[split + 1:])
+    print(json.dumps({"codes": codes, "seconds": round(time.monotonic() - started, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
