@@ -1,13 +1,15 @@
 """Start the ranks of one training launch by forking one interpreter that has imported torch and Megatron.
 
-    python -m megatron_vshape.testing.fork_ranks NPROC PORT LOG_DIR STOP_ON_FAILURE -- ENTRY [ARGS ...]
+    python -m megatron_vshape.testing.fork_ranks --nproc N --port P --logs DIR [--stop-on-failure]
+        [--no-preload] -- ENTRY [ARGS ...]
 
 ENTRY is what would follow ``python`` on torchrun's command line: ``script.py`` or ``-m module``. Each
 rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 MASTER_ADDR, MASTER_PORT), runs ENTRY as ``__main__`` exactly as ``python ENTRY`` would (``sys.argv``,
-``sys.path[0]``, exit code), and writes stdout and stderr to ``LOG_DIR/rank{r}.log``. The last line
-this process prints is every rank's exit code, as JSON (null: killed after another rank failed, when
-STOP_ON_FAILURE is 1).
+``sys.path[0]``, exit code), and writes stdout and stderr to ``DIR/rank{r}.log``. The last line
+this process prints is every rank's exit code, as JSON (null: killed after another rank failed, with
+``--stop-on-failure``, as torchrun does). ``--no-preload`` forks without importing anything first
+(entries that use neither torch nor Megatron).
 
 Why: importing torch, megatron-core and megatron.training costs each rank about 8 s of CPU, most of a
 tiny training run, and a test machine with 2 cores runs dozens of launches. Forked ranks share one
@@ -18,6 +20,7 @@ launch helpers use this; the commands the README gives keep ``torchrun``.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import os
@@ -87,8 +90,10 @@ def run_rank(rank: int, nproc: int, port: int, log_path: str, entry: list[str]) 
         os._exit(code)
 
 
-def launch(nproc: int, port: int, log_dir: str, stop_on_failure: bool, entry: list[str]) -> list[int | None]:
-    preload()
+def launch(nproc: int, port: int, log_dir: str, stop_on_failure: bool, entry: list[str],
+           preload_first: bool = True) -> list[int | None]:
+    if preload_first:
+        preload()
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
@@ -114,10 +119,16 @@ def launch(nproc: int, port: int, log_dir: str, stop_on_failure: bool, entry: li
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_vshape.testing.fork_ranks")
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--logs", required=True, help="directory for rank{r}.log")
+    parser.add_argument("--stop-on-failure", action="store_true")
+    parser.add_argument("--no-preload", dest="preload", action="store_false")
     split = argv.index("--")
-    nproc, port, log_dir, stop_on_failure = argv[:split]
+    options, entry = parser.parse_args(argv[:split]), argv[split + 1:]
     started = time.monotonic()
-    codes = launch(int(nproc), int(port), log_dir, stop_on_failure == "1", argv[split + 1:])
+    codes = launch(options.nproc, options.port, options.logs, options.stop_on_failure, entry, options.preload)
     print(json.dumps({"codes": codes, "seconds": round(time.monotonic() - started, 1)}), flush=True)
     return 0
 

@@ -69,7 +69,7 @@ def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout
 
 
 def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], timeout: float, cwd: Path = ROOT,
-                 attempts: int = 3) -> subprocess.CompletedProcess:
+                 attempts: int = 3, preload: bool = True) -> subprocess.CompletedProcess:
     """The ranks ``torchrun`` would start, forked from one interpreter that imported torch and Megatron
     (:func:`_run_ranks`): same environment, and like torchrun, the first rank that fails stops the
     others. Returns every rank's output, rank 0 first.
@@ -79,18 +79,18 @@ def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], tim
     many runs use this; the commands the README and the patch README give keep ``torchrun`` (:func:`torchrun`).
     """
     def launch(port: int) -> subprocess.CompletedProcess:
-        ranks = _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd, stop_on_failure=True)
+        ranks = _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd, stop_on_failure=True, preload=preload)
         return subprocess.CompletedProcess([python, *entry, *args], ranks.returncode, ranks.stdout, "")
 
     return _on_free_ports(launch, attempts)
 
 
 def run_ranks_by_hand(python: str, args: list[str], world: int, timeout: float,
-                      attempts: int = 3) -> list[tuple[int, str]]:
+                      attempts: int = 3, preload: bool = True) -> list[tuple[int, str]]:
     """Start ``world`` ranks of ``python args...`` and let each run to its end (torchrun would kill the
     slower ranks as soon as one fails); return each rank's (exit code, output)."""
     def launch(port: int) -> Ranks:
-        return _run_ranks(python, world, args, port, timeout, ROOT, stop_on_failure=False)
+        return _run_ranks(python, world, args, port, timeout, ROOT, stop_on_failure=False, preload=preload)
 
     ranks = _on_free_ports(launch, attempts)
     return list(zip(ranks.codes, ranks.outputs))
@@ -124,14 +124,15 @@ class Ranks:
 
 
 def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: float, cwd: Path,
-               stop_on_failure: bool) -> Ranks:
+               stop_on_failure: bool, preload: bool = True) -> Ranks:
     """One launch: every rank's (exit code, output), the ranks forked from one interpreter that imported
     torch and Megatron once (:mod:`megatron_vshape.testing.fork_ranks`). On the timeout the launch's
     process group is killed and the test fails; with ``stop_on_failure`` the first failed rank stops
-    the others."""
+    the others. ``preload=False``: entries that import neither (the launcher's own tests)."""
     with tempfile.TemporaryDirectory() as logs:
-        cmd = [python, "-m", "megatron_vshape.testing.fork_ranks", str(nproc), str(port), logs,
-               "1" if stop_on_failure else "0", "--", *argv]
+        cmd = [python, "-m", "megatron_vshape.testing.fork_ranks", "--nproc", str(nproc), "--port", str(port),
+               "--logs", logs, *(["--stop-on-failure"] if stop_on_failure else []),
+               *([] if preload else ["--no-preload"]), "--", *argv]
         proc = subprocess.Popen(cmd, cwd=cwd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:

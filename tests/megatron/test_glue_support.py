@@ -66,7 +66,7 @@ def _rank_script(tmp_path):
 
 @pytest.mark.slow
 def test_ranks_started_directly_get_torchruns_environment_and_their_outputs_are_kept(tmp_path):
-    result = glue_support.launch_ranks(sys.executable, 3, _rank_script(tmp_path), ["ok"], timeout=30)
+    result = glue_support.launch_ranks(sys.executable, 3, _rank_script(tmp_path), ["ok"], timeout=30, preload=False)
     assert result.returncode == 0
     lines = result.stdout.splitlines()
     port = lines[0].split()[-1]
@@ -76,7 +76,7 @@ def test_ranks_started_directly_get_torchruns_environment_and_their_outputs_are_
 @pytest.mark.slow
 def test_the_first_failing_rank_stops_the_others_like_torchrun(tmp_path):
     start = time.monotonic()
-    result = glue_support.launch_ranks(sys.executable, 2, _rank_script(tmp_path), ["fail"], timeout=50)
+    result = glue_support.launch_ranks(sys.executable, 2, _rank_script(tmp_path), ["fail"], timeout=50, preload=False)
     assert result.returncode == 7 and time.monotonic() - start < 20  # not the other rank's 60 s sleep
     assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
 
@@ -85,7 +85,7 @@ def test_the_first_failing_rank_stops_the_others_like_torchrun(tmp_path):
 def test_a_hung_launch_fails_the_test_at_its_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match="timed out after 2s"):
-        glue_support.launch_ranks(sys.executable, 2, _rank_script(tmp_path), ["hang"], timeout=2)
+        glue_support.launch_ranks(sys.executable, 2, _rank_script(tmp_path), ["hang"], timeout=2, preload=False)
     assert time.monotonic() - start < 20
 
 
@@ -93,7 +93,7 @@ def test_a_hung_launch_fails_the_test_at_its_timeout(tmp_path):
 def test_ranks_by_hand_each_run_to_their_end(tmp_path):
     """For the start-up checks every rank must print its own error: a failure stops no other rank."""
     (code0, out0), (code1, out1) = glue_support.run_ranks_by_hand(
-        sys.executable, [*_rank_script(tmp_path), "fail-then-finish"], 2, timeout=30)
+        sys.executable, [*_rank_script(tmp_path), "fail-then-finish"], 2, timeout=30, preload=False)
     assert (code0, code1) == (0, 7)
     assert "rank 0 finished" in out0 and out1.startswith("rank 1 of 2")
 
@@ -124,7 +124,8 @@ def test_forked_ranks_run_their_entry_as_python_would(tmp_path):
         assert probe["name"] == "__main__" and probe["argv"] == [str(script), "--flag", "x"]
         assert probe["path0"] == str(tmp_path) and probe["cwd"] == str(glue_support.ROOT)
         assert output.splitlines()[-1] == "non-daemon thread finished"
-    failed = glue_support.launch_ranks(sys.executable, 2, [str(script)], ["raise"], timeout=60)
+    failed = glue_support.launch_ranks(sys.executable, 2, [str(script)], ["raise"], timeout=60, preload=False)
     assert failed.returncode == 1 and "RuntimeError: uncaught" in failed.stdout
-    module = glue_support.launch_ranks(sys.executable, 1, ["-m", "json.tool", "--help"], [], timeout=60)
+    module = glue_support.launch_ranks(sys.executable, 1, ["-m", "json.tool", "--help"], [], timeout=60,
+                                       preload=False)
     assert module.returncode == 0 and "usage:" in module.stdout and "json.tool" in module.stdout

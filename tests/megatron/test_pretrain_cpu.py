@@ -3,12 +3,12 @@
 The issue's acceptance run (a tiny GPT, 5 iterations, dropout 0.1; under ``torchrun``) with Megatron's own
 1F1B and with V-Half: every iteration's lm loss must agree to 1e-5, since a schedule must not change the
 maths (schedule-invariant dropout and initialisation are on by default). V-Half's checkpoint then resumes
-under V-ZB, under 1F1B's looped placement, and under ``--pipeline-layout balanced`` (checkpoint portability
-across placements and layer layouts). The vocabulary (1024) makes the LM head worth several layers, so
-the balanced layout really moves layers. Megatron-LM's own unmodified pretrain_gpt.py is tested in
+under V-ZB with ``--pipeline-layout balanced`` (checkpoint portability across schedules and layer layouts),
+and, in the extended tier, under Megatron's 1F1B (the looped placement). The vocabulary (1024) makes the
+LM head worth several layers, so the balanced layout really moves layers. Megatron-LM's own unmodified pretrain_gpt.py is tested in
 test_real_client.py (and runs the balanced resume here, so without a Megatron-LM checkout these tests
-skip like that file's, and fail under CI). Each launch costs ~25-45 s on 2 cores (most of it imports), so
-the five launches are shared by the tests.
+skip like that file's, and fail under CI). Each launch costs ~20-45 s on 2 cores, so the four launches
+are shared by the tests; resuming under Megatron's 1F1B is a fifth, in the extended tier (-m extended).
 """
 
 import json
@@ -44,11 +44,10 @@ def losses(output: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(mc19_python, client_dir, tmp_path_factory):  # noqa: F811 (the imported fixture)
-    """Five launches shared by the tests below.
+    """Four launches shared by the tests below (a fifth, resuming under 1F1B, is in ``resumed_under_1f1b``).
 
     1f1b: Megatron's own 1F1B through scripts/pretrain_gpt.py, uninterrupted (the reference);
     v-half: the issue's acceptance command (schedule flag moved first), saving a checkpoint at iteration 3;
-    1f1b-resumed: resuming V-Half's checkpoint under Megatron's own 1F1B (the looped placement);
     v-zb-replan: V-ZB re-planned from costs measured in iterations 2-3 (--pipeline-costs auto);
     balanced: V-ZB with ``--pipeline-layout balanced`` (the planner moves layers off device 0) resuming
     V-Half's uniform checkpoint (another schedule and another layout) through the runner and Megatron-LM's
@@ -61,7 +60,6 @@ def runs(mc19_python, client_dir, tmp_path_factory):  # noqa: F811 (the imported
     launches = {
         "1f1b": ([script], ["--pipeline-schedule", "1f1b", *TINY]),
         "v-half": ([script], ["--pipeline-schedule", "v-half", *TINY, "--save", str(ckpt), "--save-interval", "3"]),
-        "1f1b-resumed": ([script], ["--pipeline-schedule", "1f1b", *TINY, "--load", str(ckpt), "--ckpt-step", "3"]),
     }
     costs_file = tmp_path_factory.mktemp("costs") / "costs.json"
     launches["v-zb-replan"] = ([script], ["--pipeline-schedule", "v-zb", *TINY, "--pipeline-costs", "auto",
@@ -102,20 +100,39 @@ def test_vshape_log_line_has_bubble_and_every_pipeline_ranks_peak(runs):
     assert v_peak < own_peak, "V-Half must need less activation memory than 1F1B on the worst rank"
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("resumed", ["1f1b-resumed", "balanced"])
-def test_checkpoint_from_v_half_resumes_under_other_schedules_and_layouts(runs, resumed):
-    """A torch_dist checkpoint saved under V-Half's placement and uniform layout loads under 1F1B's looped
-    placement and under V-ZB with the balanced layout (global layer numbers in its keys), and training
-    continues exactly like the uninterrupted run: neither schedule, placement nor layout changes the maths."""
-    assert "loading distributed checkpoint" in runs[resumed]
-    own, after = losses(runs["1f1b"]), losses(runs[resumed])
-    assert sorted(after) == [4, 5], runs[resumed][-3000:]
+def _assert_resumes_exactly(runs, resumed_output: str) -> None:
+    assert "loading distributed checkpoint" in resumed_output
+    own, after = losses(runs["1f1b"]), losses(resumed_output)
+    assert sorted(after) == [4, 5], resumed_output[-3000:]
     assert abs(after[4] - own[4]) <= 1e-5 * abs(own[4]), (own[4], after[4])
     # Megatron's log after a resume averages the printed loss over the iterations since the resume,
     # so iteration 5 is compared through the gradient norm (the weights after the first resumed step).
-    own_norms, resumed_norms = dict(GRAD_NORM.findall(runs["1f1b"])), dict(GRAD_NORM.findall(runs[resumed]))
+    own_norms, resumed_norms = dict(GRAD_NORM.findall(runs["1f1b"])), dict(GRAD_NORM.findall(resumed_output))
     assert resumed_norms["4"] == own_norms["4"] and resumed_norms["5"] == own_norms["5"]
+
+
+@pytest.mark.timeout(900)
+def test_checkpoint_from_v_half_resumes_under_v_zb_with_the_balanced_layout(runs):
+    """A torch_dist checkpoint saved under V-Half's uniform layout loads under V-ZB with the balanced layout
+    (global layer numbers in its keys), and training continues exactly like the uninterrupted run:
+    neither schedule nor layout changes the maths. (A checkpoint of Megatron's looped 1F1B loading into V
+    chunks is tested in test_real_client_hybrid.py.)"""
+    _assert_resumes_exactly(runs, runs["balanced"])
+
+
+@pytest.fixture(scope="module")
+def resumed_under_1f1b(runs, mc19_python):
+    """V-Half's checkpoint resumed under Megatron's own 1F1B (the looped placement): one more launch."""
+    script = str(ROOT / "scripts" / "pretrain_gpt.py")
+    args = ["--pipeline-schedule", "1f1b", *TINY, "--load", str(runs["ckpt"]), "--ckpt-step", "3"]
+    return launch_each(mc19_python, 4, {"1f1b-resumed": ([script], args)}, timeout=240)["1f1b-resumed"]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+def test_checkpoint_from_v_half_resumes_under_megatrons_1f1b(runs, resumed_under_1f1b):
+    """The same checkpoint from V chunks loads into Megatron's own looped placement."""
+    _assert_resumes_exactly(runs, resumed_under_1f1b)
 
 
 @pytest.mark.timeout(900)
