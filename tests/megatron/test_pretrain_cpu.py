@@ -1,14 +1,13 @@
 """scripts/pretrain_gpt.py and the runner on CPU: 4 gloo ranks, Megatron's own training loop.
 
-The issue's acceptance run (a tiny GPT, 5 iterations, dropout 0.1) with Megatron's own
-1F1B and with V-Half: every iteration's lm loss must agree to 1e-5, since a schedule must not change the
-maths (schedule-invariant dropout and initialisation are on by default). V-Half's checkpoint then resumes
-under V-ZB with ``--pipeline-layout balanced`` (checkpoint portability across schedules and layer layouts),
-and, in the extended tier, under Megatron's 1F1B (the looped placement). The vocabulary (1024) makes the
-LM head worth several layers, so the balanced layout really moves layers. Megatron-LM's own unmodified pretrain_gpt.py is tested in
-test_real_client.py (and runs the balanced resume here, so without a Megatron-LM checkout these tests
-skip like that file's, and fail under CI). Each launch costs ~20-45 s on 2 cores, so the four launches
-are shared by the tests; resuming under Megatron's 1F1B is a fifth, in the extended tier (-m extended).
+The issue's acceptance run (a tiny GPT, 5 iterations, dropout 0.1) with Megatron's own 1F1B and with V-Half:
+every iteration's lm loss must agree to 1e-5, since a schedule must not change the maths (schedule-invariant
+dropout and initialisation are on by default). V-Half's checkpoint then resumes under V-ZB with
+``--pipeline-layout balanced`` through the runner and Megatron-LM's own unmodified pretrain_gpt.py
+(checkpoint portability across schedules and layer layouts; without a Megatron-LM checkout these tests skip
+like test_real_client.py's, and fail under CI), and, in the extended tier, under Megatron's 1F1B (the looped
+placement). The vocabulary (1024) makes the LM head worth several layers, so the balanced layout really
+moves layers. Each launch costs ~20-45 s on 2 cores, so the four launches are shared by the tests.
 """
 
 import json
