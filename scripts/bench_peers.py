@@ -244,7 +244,7 @@ def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--ours", default=",".join(DEFAULT_OURS),
-                        help="vshape schedules to time; NAME:eager with the old p2p waits (each batch at once)")
+                        help="vshape schedules to time; NAME:VARIANT with an old executor policy (bench_runtime.VARIANTS)")
     parser.add_argument("--torch", default=",".join(TORCH_SCHEDULES), help=f"of: {', '.join(TORCH_SCHEDULES)}")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
@@ -263,7 +263,7 @@ def _parse(argv):
 
     ours = tuple(s for s in args.ours.split(",") if s)
     torch_rows = tuple(s for s in args.torch.split(",") if s)
-    if unknown := [s for s in ours if s.partition(":")[0] not in SCHEDULES or s.partition(":")[2] not in ("", "eager")]:
+    if unknown := [s for s in ours if s.partition(":")[0] not in SCHEDULES or s.partition(":")[2] not in ("", *bench_runtime.VARIANTS)]:
         parser.error(f"--ours: unknown {unknown}; choose from {', '.join(SCHEDULES)}")
     if unknown := [s for s in torch_rows if s not in TORCH_SCHEDULES]:
         parser.error(f"--torch: unknown {unknown}; choose from {', '.join(TORCH_SCHEDULES)}")

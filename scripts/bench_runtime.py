@@ -34,6 +34,11 @@ from megatron_vshape.testing import spawn
 from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
 
 DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "v-min", "v-half", "v-zb")
+# NAME:VARIANT rows: the executor with one of its old policies, timed beside the current one.
+VARIANTS = {
+    "eager": "the old p2p waits (each batch waited for at once)",
+    "fused": "a B and its directly following W run as one backward even when B's gradient goes to another rank",
+}
 
 
 def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, warmup, iters, measure_costs):
@@ -101,10 +106,11 @@ def _build_row(name, model, world_size, pp_rank, microbatches, costs, record_tim
 
     from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
 
-    name, _, variant = name.partition(":")  # "v-zb:eager": the p2p waits of before (one op outstanding)
+    name, _, variant = name.partition(":")  # "v-zb:eager": an old executor policy (VARIANTS), side by side
     ours = build_forward_backward_func("1f1b" if name == "megatron-1f1b" else name, costs=costs,
                                        record_timeline=record_timeline, replan=replan)
     ours.eager_waits = variant == "eager"
+    ours.fuse_remote_pairs = variant == "fused"
     func = forward_backward_pipelining_without_interleaving if name == "megatron-1f1b" else ours
     placement = ours.schedule(world_size, microbatches).placement
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
@@ -145,7 +151,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
-                        help="comma-separated; NAME:eager runs NAME with the old p2p waits (each batch at once)")
+                        help="comma-separated; NAME:VARIANT runs NAME with an old executor policy: "
+                             + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=256)
@@ -164,6 +171,9 @@ def main(argv=None) -> int:
     model = replace(ModelSettings(), num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
                     seq_length=args.seq, vocab_size=1024, micro_batch_size=1)
     schedules = tuple(s for s in args.schedules.split(",") if s)
+    if unknown := [s for s in schedules if s.partition(":")[2] not in ("", *VARIANTS)]:
+        parser.error(f"--schedules: unknown variant in {unknown}; NAME or NAME:VARIANT with VARIANT one of "
+                     f"{', '.join(VARIANTS)}")
     results = spawn(_worker, args.pp, (model, schedules, args.microbatches, args.warmup, args.iters,
                                        not args.unit_costs), timeout=args.timeout)
     rows, costs = results[0]["rows"], Costs(**results[0]["costs"])

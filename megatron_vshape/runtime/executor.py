@@ -114,6 +114,9 @@ class ScheduleExecutor:
         self.current_timeline: Timeline | None = None  # the running call's spans (record_timeline)
         self.last_spans: Timeline | None = None  # the last call's spans (runtime/timeline.py)
         self.eager_waits = False  # wait for each p2p batch at once (the old policy; benchmarks compare)
+        # Run a B and its directly following W as one backward even when B's input gradient goes to another
+        # rank, which then gets it W's duration late (the old policy; benchmarks compare).
+        self.fuse_remote_pairs = False
         self.cost_profile: CostProfile | None = None  # --pipeline-costs auto
         self.last_replan: Replan | None = None
         self.watchdog: ScheduleWatchdog | None = None

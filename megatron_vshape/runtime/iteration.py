@@ -86,8 +86,9 @@ class Iteration:
         plan = plans[self.rank]
         self.plan = _forward_only_plan(plan) if forward_only else plan
         self.program = executor.exchange_program(num_devices, num_microbatches, forward_only, self.rank)
-        self.deferred = set() if forward_only else (_deferred_backwards(self.schedule, self.plan)
-                                                     | te_wgrad.te_deferred_backwards(self.plan, models))
+        self.deferred = set() if forward_only else (
+            _deferred_backwards(self.schedule, self.plan, split_remote_pairs=not executor.fuse_remote_pairs)
+            | te_wgrad.te_deferred_backwards(self.plan, models))
         if self.deferred:
             executor._wgrad.check_models(models, executor.schedule_name)
         # --overlap-grad-reduce with deferred W: buckets launch at their params' last W (grad_sync.py).
@@ -352,16 +353,25 @@ class _GradSyncControl:
         return False
 
 
-def _deferred_backwards(schedule: Schedule, plan: DevicePlan) -> set[Action]:
-    """B actions whose W runs later (so B must leave the weight gradients to the store)."""
+def _deferred_backwards(schedule: Schedule, plan: DevicePlan, split_remote_pairs: bool = True) -> set[Action]:
+    """B actions that leave their weight gradients to the store, for their W pass to compute.
+
+    A B directly followed by its own W runs as one ordinary backward, but only when its input gradient
+    stays on this rank (first stage, or the consumer is local): the fused backward sends that gradient
+    only after the weight gradients too, so for a consumer on another rank it would arrive W's
+    duration later than the schedule (and the simulator) assume. Fused-backward schedules (1F1B,
+    GPipe, interleaved) are simulated that way and never split. ``split_remote_pairs=False`` is the old
+    policy (every such pair fused), kept for the benchmarks' side-by-side rows.
+    """
     if schedule.fused_backward:
         return set()
-    actions = [s.action for s in plan.steps]
+    steps = plan.steps
     deferred = set()
-    for i, action in enumerate(actions):
+    for i, step in enumerate(steps):
+        action = step.action
         if action.kind is Kind.B:
-            follows = i + 1 < len(actions) and actions[i + 1] == Action(Kind.W, action.stage, action.microbatch)
-            if not follows:
+            follows = i + 1 < len(steps) and steps[i + 1].action == Action(Kind.W, action.stage, action.microbatch)
+            if not follows or (split_remote_pairs and step.sends):
                 deferred.add(action)
     return deferred
 

@@ -15,7 +15,7 @@ from spawn_targets import die_without_reporting, raise_value_error, sleep_foreve
 from megatron_vshape.runtime import build_forward_backward_func
 from megatron_vshape.runtime.iteration import _deferred_backwards
 from megatron_vshape.runtime.placement import chunk_specs
-from megatron_vshape.schedules import Kind, Payload, Placement, ScheduleError, get_schedule, lower
+from megatron_vshape.schedules import Action, Kind, Payload, Placement, ScheduleError, get_schedule, lower
 from megatron_vshape.schedules.exchange import forward_only_plan as _forward_only_plan
 from megatron_vshape.testing import SpawnError, spawn
 
@@ -49,6 +49,29 @@ def test_fused_schedules_never_defer_and_split_ones_do():
     assert _deferred_backwards(one_f_one_b, lower(one_f_one_b)[0]) == set()
     deferred = _deferred_backwards(v_zb, lower(v_zb)[0])
     assert deferred and all(action.kind is Kind.B for action in deferred)
+
+
+def test_a_b_whose_gradient_leaves_the_rank_is_split_even_when_its_w_follows():
+    """Run as one backward, such a B would send its input gradient only after its W: W's duration later
+    than the simulator assumes (V-ZB at PP 2 fuses the last stage's B+W on rank 0 and rank 1 waits)."""
+    found_local_pair = found_remote_pair = False
+    for name, d, m in (("v-zb", 2, 8), ("v-zb", 4, 8), ("zb-h1", 4, 8), ("v-half", 4, 8), ("zb-1p", 2, 6)):
+        schedule = get_schedule(name, d, m)
+        for plan in lower(schedule):
+            deferred = _deferred_backwards(schedule, plan)
+            for step, after in zip(plan.steps, plan.steps[1:]):
+                action = step.action
+                if action.kind is not Kind.B:
+                    continue
+                if after.action != Action(Kind.W, action.stage, action.microbatch):
+                    assert action in deferred
+                elif step.sends:
+                    found_remote_pair = True
+                    assert action in deferred, (name, d, m, action)
+                else:
+                    found_local_pair = True
+                    assert action not in deferred, (name, d, m, action)
+    assert found_remote_pair and found_local_pair
 
 
 def test_unknown_schedule_is_a_one_line_error():
