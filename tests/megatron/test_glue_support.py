@@ -46,9 +46,15 @@ def test_other_failures_are_not_retried_and_clashes_stop_after_the_attempts(monk
 RANK_SCRIPT = """
 import os, sys, time
 rank = int(os.environ["RANK"])
-print(f"rank {rank} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} port {os.environ['MASTER_PORT']}")
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} port {os.environ['MASTER_PORT']}",
+      flush=True)
+printed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0-printed")
+if rank == 0:
+    open(printed, "w").close()
 mode = sys.argv[1]
 if mode.startswith("fail") and rank == 1:
+    while not os.path.exists(printed):  # fail only once rank 0 has printed (the test reads both lines)
+        time.sleep(0.01)
     sys.exit(7)
 if mode == "fail-then-finish":
     time.sleep(1)
