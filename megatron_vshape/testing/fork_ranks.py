@@ -32,11 +32,12 @@ import time
 import traceback
 import warnings
 
+from .spawn import TORCH_AND_MEGATRON
+
 # Imported once before forking. megatron.training needs the Python 3.11 shim that every entry applies
 # first anyway (training_cpu.patch_python_compat); an environment without it (megatron-core 0.16)
 # preloads what it has and lets the entry report the rest.
-PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
-           "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.training")
+PRELOAD = (*TORCH_AND_MEGATRON, "megatron.training")
 
 
 def preload() -> None:

@@ -22,9 +22,10 @@ def free_port() -> int:
 # What every rank of these harnesses imports. On gloo the ranks are forked from one fork server per
 # calling process that has imported these once, so a rank costs a fork instead of about 7 s of CPU
 # re-importing torch and megatron-core (most of the multi-process tests' time on a 2-core machine).
-PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
-           "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron_vshape.runtime.executor",
-           "megatron_vshape.testing.tiny_gpt")
+# TORCH_AND_MEGATRON is also what the tests' forked training launches preload (testing/fork_ranks.py).
+TORCH_AND_MEGATRON = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
+                      "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.pipeline_parallel")
+PRELOAD = (*TORCH_AND_MEGATRON, "megatron_vshape.runtime.executor", "megatron_vshape.testing.tiny_gpt")
 
 
 def _context(backend: str):
