@@ -9,7 +9,7 @@ import re
 import signal
 import subprocess
 import tempfile
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +35,10 @@ def cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
-              cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; on timeout kill the whole group (torchrun and its ranks)."""
+def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT,
+              output_on_timeout: Callable[[], str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (torchrun and its ranks) and
+    fail the test with the end of its output (``output_on_timeout()`` when the output lives elsewhere)."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -45,7 +46,8 @@ def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
+        shown = output_on_timeout() if output_on_timeout is not None else out
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{shown[-4000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -133,27 +135,17 @@ def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: flo
         cmd = [python, "-m", "megatron_vshape.testing.fork_ranks", "--nproc", str(nproc), "--port", str(port),
                "--logs", logs, *(["--stop-on-failure"] if stop_on_failure else []),
                *([] if preload else ["--no-preload"]), "--", *argv]
-        proc = subprocess.Popen(cmd, cwd=cwd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            timed_out = True
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        outputs = tuple(_read(Path(logs) / f"rank{rank}.log") for rank in range(nproc))
-    if timed_out:
-        pytest.fail(f"timed out after {timeout}s: {' '.join(argv)}\n{''.join(outputs)[-4000:]}")
+
+        def outputs() -> tuple[str, ...]:
+            return tuple(_read(Path(logs) / f"rank{rank}.log") for rank in range(nproc))
+
+        result = run_group(cmd, timeout, env=cpu_env(), cwd=cwd, output_on_timeout=lambda: "".join(outputs()))
+        ranks_output = outputs()
     try:
-        codes = json.loads(out.strip().splitlines()[-1])["codes"]
+        codes = json.loads(result.stdout.strip().splitlines()[-1])["codes"]
     except (IndexError, ValueError, KeyError):
-        pytest.fail(f"the rank launcher failed (exit {proc.returncode}): {' '.join(argv)}\n{out[-4000:]}")
-    return Ranks(tuple(codes), outputs)
+        pytest.fail(f"the rank launcher failed (exit {result.returncode}): {' '.join(argv)}\n{result.stdout[-4000:]}")
+    return Ranks(tuple(codes), ranks_output)
 
 
 def _read(path: Path) -> str:
