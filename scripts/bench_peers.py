@@ -11,8 +11,20 @@ slowest rank's):
   and ``ScheduleDualPipeV`` driving ``PipelineStage``\\ s whose modules are the same megatron GPT
   chunks (a thin adapter turns a chunk into ``forward(tensor) -> tensor``; loss = mean token
   cross entropy over fp32 logits).
+* ``torch-1f1b``: its ``Schedule1F1B`` on the stages of our 1F1B (one per rank), the control row:
+  beside ``vshape-1f1b`` (same schedule, same placement) it shows what the two sides' layers and
+  runtimes cost apart from the schedule.
 * ``vshape-<schedule>`` (default v-zb, v-half, 1f1b): the vshape executor on the same chunks,
-  built and timed as in ``scripts/bench_runtime.py`` (DDP-wrapped, megatron's loss function).
+  built and timed as in ``scripts/bench_runtime.py`` (DDP-wrapped).
+
+Both sides compute the same loss: mean token cross entropy over fp32 logits (``_token_loss``); the
+vshape rows' ``forward_step`` takes the chunk's logits and applies it, instead of megatron's
+vocab-parallel cross entropy, so the comparison is of the runtimes, not of two loss kernels.
+
+Besides the times, a per-rank table splits each row's median iteration into forward compute (the
+loss included), backward compute (B, W and fused backwards) and the rest (waits, p2p, bookkeeping):
+torch's ``PipelineStage`` passes are timed by wrapping the stages' pass methods, ours come from the
+executor's timeline (``runtime/timeline.py``).
 
 What differs, on purpose: PyTorch splits the backward generically (autograd from saved
 intermediates to the weights), which re-runs a custom autograd Function's whole backward in W. So
@@ -37,9 +49,11 @@ import bench_runtime  # noqa: E402
 
 from megatron_vshape.schedules import Costs  # noqa: E402
 from megatron_vshape.testing import spawn  # noqa: E402
-from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch  # noqa: E402
+from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, make_config, microbatch  # noqa: E402
 
-TORCH_SCHEDULES = {"torch-zbv": "ScheduleZBVZeroBubble", "torch-dualpipev": "ScheduleDualPipeV"}
+# row -> (torch.distributed.pipelining class, the vshape schedule whose placement its stages take)
+TORCH_SCHEDULES = {"torch-zbv": ("ScheduleZBVZeroBubble", "v-zb"), "torch-dualpipev": ("ScheduleDualPipeV", "v-zb"),
+                   "torch-1f1b": ("Schedule1F1B", "1f1b")}
 DEFAULT_OURS = ("v-zb", "v-half", "1f1b")
 REFERENCE_ROW = "torch-zbv"
 
@@ -91,14 +105,56 @@ def _token_loss(logits, labels):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _build_torch_row(name, model, world_size, pp_rank, microbatches):
+def forward_step(data_iterator, model):
+    """megatron forward_step_func for the vshape rows: the chunk's logits, then the torch rows' loss."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])  # no labels: logits
+
+    def loss_func(logits):
+        loss = _token_loss(logits, batch["labels"])
+        return loss, {"lm loss": loss.detach().clone(), "mb": batch["index"]}
+
+    return output, loss_func
+
+
+class PassClock:
+    """Seconds of forward and backward compute in the current iteration (the torch rows' stages)."""
+
+    def __init__(self):
+        self.seconds = {"forward": 0.0, "backward": 0.0}
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+    def timed(self, func, kind: str):
+        import time
+
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - start
+
+        return call
+
+    def attach(self, stage) -> None:
+        """Time ``stage``'s passes; its instance attributes shadow the class's methods."""
+        stage.forward_one_chunk = self.timed(stage.forward_one_chunk, "forward")
+        stage.backward_one_chunk = self.timed(stage.backward_one_chunk, "backward")
+        stage.backward_weight_one_chunk = self.timed(stage.backward_weight_one_chunk, "backward")
+
+
+def _build_torch_row(name, model, world_size, pp_rank, microbatches, clock: PassClock | None = None):
     import torch
     from torch.distributed import pipelining
 
     from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
 
-    placement = build_forward_backward_func("v-zb").schedule(world_size, microbatches).placement
-    config = make_config(model, world_size, 1, placement.chunks_per_device, False)
+    class_name, placed_as = TORCH_SCHEDULES[name]
+    placement = build_forward_backward_func(placed_as).schedule(world_size, microbatches).placement
+    vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
+    config = make_config(model, world_size, 1, vp, False)
     chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
         config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
     modules = []
@@ -108,8 +164,13 @@ def _build_torch_row(name, model, world_size, pp_rank, microbatches):
         module = _stage_adapter(chunk, model)
         modules.append(module)
         stages.append(pipelining.PipelineStage(module, stage_index, placement.num_stages, torch.device("cpu")))
-    schedule_cls = getattr(pipelining, TORCH_SCHEDULES[name])
-    schedule = schedule_cls(stages, n_microbatches=microbatches, loss_fn=_token_loss)
+        if clock is not None:
+            clock.attach(stages[-1])
+    # The loss runs in the schedule, outside the stage's forward: counted as forward, as on our side.
+    loss_fn = _token_loss if clock is None else clock.timed(_token_loss, "forward")
+    single_stage = len(stages) == 1  # Schedule1F1B takes one stage, the V schedules a list
+    schedule = getattr(pipelining, class_name)(stages[0] if single_stage else stages, n_microbatches=microbatches,
+                                               loss_fn=loss_fn)
     return schedule, modules, placement
 
 
@@ -146,37 +207,64 @@ def _worker(rank, world_size, model: ModelSettings, ours, torch_rows, microbatch
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     data = [dict(microbatch(model, i), index=i) for i in range(microbatches)]
     batch = {key: torch.cat([d[key] for d in data]) for key in ("tokens", "labels")}
-    costs = (bench_runtime._measure_costs(model, world_size, pp_rank, microbatches, data)[0]
+    costs = (bench_runtime._measure_costs(model, world_size, pp_rank, microbatches, data,
+                                          forward_step_func=forward_step)[0]
              if measure_costs else Costs())
     runners, built = _build_runners(model, ours, torch_rows, world_size, pp_rank, microbatches, costs, data, batch)
     check = _compare_with_torch(built, data, batch, model, microbatches, pp_rank) if (
         "v-zb" in built and REFERENCE_ROW in built) else None
     rows = {name: {"wall_s": [], "cpu_s": []} for name in runners}
+    compute = {name: [] for name in runners}  # this rank's (forward, backward) seconds per measured iteration
     # Round-robin each iteration, so that load changing over time (shared machine) hits all rows alike.
     for step in range(warmup + iters):
         for name, run in runners.items():
-            wall, cpu = run()
+            wall, cpu, seconds = run()
             if step >= warmup:
                 rows[name]["wall_s"].append(wall)
                 rows[name]["cpu_s"].append(cpu)
+                compute[name].append(seconds)
+    every_rank: list = [None] * world_size
+    torch.distributed.all_gather_object(every_rank, compute)
     parallel_state.destroy_model_parallel()
-    return {"rows": rows, "costs": vars(costs), "check": check}
+    return {"rows": rows, "costs": vars(costs), "check": check, "compute": every_rank}
 
 
 def _build_runners(model, ours, torch_rows, world_size, pp_rank, microbatches, costs, data, batch):
-    """{row name: callable timing one iteration} in table order, and the built objects by schedule."""
+    """{row name: callable timing one iteration} in table order, and the built objects by schedule.
+
+    A runner returns (wall s, CPU s), each the slowest rank's, and this rank's (forward, backward)
+    compute seconds."""
     runners, built = {}, {}
     for name in ours:
-        func, ddp = built[name] = bench_runtime._build_row(name, model, world_size, pp_rank, microbatches, costs)
-        runners[f"vshape-{name}"] = lambda f=func, d=ddp: bench_runtime._time_iteration(f, d, data, model, microbatches)
+        func, ddp = built[name] = bench_runtime._build_row(name, model, world_size, pp_rank, microbatches, costs,
+                                                           record_timeline=True)
+        runners[f"vshape-{name}"] = lambda f=func, d=ddp: (
+            *bench_runtime._time_iteration(f, d, data, model, microbatches, forward_step), _our_compute(f))
     for name in torch_rows:
-        schedule, modules, placement = built[name] = _build_torch_row(name, model, world_size, pp_rank, microbatches)
-        if "v-zb" in built:  # same weights as the vshape V-ZB row, to check both compute the same thing
-            for module, ddp_chunk in zip(modules, built["v-zb"][1]):
+        clock = PassClock()
+        schedule, modules, placement = built[name] = _build_torch_row(name, model, world_size, pp_rank, microbatches,
+                                                                      clock)
+        placed_as = TORCH_SCHEDULES[name][1]
+        if placed_as in built:  # same weights as our row with the same stages (the check compares V-ZB's)
+            for module, ddp_chunk in zip(modules, built[placed_as][1]):
                 module.chunk.load_state_dict(ddp_chunk.module.state_dict())
-        runners[name] = lambda s=schedule, m=modules, p=placement: _time_torch_iteration(s, m, p, pp_rank, batch)
+        runners[name] = lambda s=schedule, m=modules, p=placement, c=clock: _run_torch(s, m, p, pp_rank, batch, c)
     order = (*torch_rows, *(f"vshape-{n}" for n in ours))
     return {name: runners[name] for name in order}, built
+
+
+def _our_compute(func) -> tuple[float, float]:
+    """(forward, backward) seconds of the executor's last call on this rank, from its timeline."""
+    from megatron_vshape.runtime.timeline import Category
+
+    totals = func.last_spans.totals()
+    return totals[Category.F], totals[Category.B] + totals[Category.W]
+
+
+def _run_torch(schedule, modules, placement, pp_rank, batch, clock: PassClock):
+    clock.reset()
+    wall, cpu = _time_torch_iteration(schedule, modules, placement, pp_rank, batch)
+    return wall, cpu, (clock.seconds["forward"], clock.seconds["backward"])
 
 
 def _compare_with_torch(built, data, batch, model, microbatches, pp_rank) -> dict:
@@ -223,6 +311,32 @@ def summarize(rows: dict) -> list[dict]:
              "paired_ratio_to_torch_zbv": _paired_ratio(times["wall_s"], rows[REFERENCE_ROW]["wall_s"]) if ref else None,
              **times}
             for name, times in rows.items()]
+
+
+def compute_split(rows: dict, compute: list[dict]) -> list[dict]:
+    """Per row and rank: median forward and backward compute, and the rest of the iteration (the
+    slowest rank's wall time less this rank's compute: waits, p2p and bookkeeping), in ms."""
+    records = []
+    for name, times in rows.items():
+        for rank, per_rank in enumerate(compute):
+            forward = [f for f, _ in per_rank[name]]
+            backward = [b for _, b in per_rank[name]]
+            rest = [wall - f - b for wall, f, b in zip(times["wall_s"], forward, backward)]
+            wall = statistics.median(times["wall_s"])
+            records.append({"system": name, "rank": rank, "forward_ms": statistics.median(forward) * 1000,
+                            "backward_ms": statistics.median(backward) * 1000,
+                            "rest_ms": statistics.median(rest) * 1000,
+                            "rest_share": statistics.median(rest) / wall if wall > 0 else 0.0})
+    return records
+
+
+def format_compute(records: list[dict]) -> str:
+    lines = ["| system | rank | forward ms (+ loss) | backward ms (B, W, fused) | rest ms | rest % |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['system']} | {r['rank']} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "
+                     f"| {r['rest_ms']:.1f} | {100 * r['rest_share']:.1f} |")
+    return "\n".join(lines)
 
 
 def _paired_ratio(times: list[float], reference: list[float]) -> float:
@@ -283,15 +397,18 @@ def main(argv=None) -> int:
     (result, *_) = spawn(_worker, 2, (model, ours, torch_rows, args.microbatches, args.warmup, args.iters,
                                       not args.unit_costs), timeout=args.timeout)
     records = summarize(result["rows"])
+    split = compute_split(result["rows"], result["compute"])
     print(f"pp=2 (4 stages, V) m={args.microbatches} layers={args.layers} hidden={args.hidden} seq={args.seq} "
           f"vocab={args.vocab}; median of {args.iters} after {args.warmup} warm-up, slowest rank; "
           f"vshape costs {result['costs']}")
     print(format_table(records))
+    print(format_compute(split))
     if result["check"] is not None:
         print(f"torch-zbv vs vshape-v-zb on equal weights: {result['check']}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"config": vars(args), "costs": result["costs"], "check": result["check"], "rows": records},
+            json.dump({"config": vars(args), "costs": result["costs"], "check": result["check"], "rows": records,
+                       "compute": split},
                       handle, indent=2)
     check = result["check"]
     if check is not None and (check["max_loss_abs_diff"] > 1e-4 or check["max_grad_rel_diff"] > 1e-4):

@@ -74,7 +74,8 @@ def _worker(rank, world_size, model: ModelSettings, schedules, microbatches, war
             "schedules": ran}
 
 
-def _measure_costs(model, world_size, pp_rank, microbatches, data, iterations: int = 2) -> Costs:
+def _measure_costs(model, world_size, pp_rank, microbatches, data, iterations: int = 2,
+                   forward_step_func=forward_step) -> Costs:
     """The costs ``--pipeline-costs auto`` measures (runtime/replan.py: per-rank medians of F, of B
     whose W was deferred, and of W, per V chunk; max over ranks; one message), on a V-ZB run."""
     from megatron_vshape.runtime.replan import ReplanPolicy
@@ -82,7 +83,7 @@ def _measure_costs(model, world_size, pp_rank, microbatches, data, iterations: i
     func, ddp = _build_row("v-zb", model, world_size, pp_rank, microbatches, Costs(),
                            replan=ReplanPolicy(iterations=iterations))
     for _ in range(iterations + 1):  # one warm-up call, then the measured ones; re-plans after the last
-        _time_iteration(func, ddp, data, model, microbatches)
+        _time_iteration(func, ddp, data, model, microbatches, forward_step_func)
     replan = func.last_replan
     return replan.costs, {**replan.measured_seconds, "stages": [list(row) for row in replan.stage_seconds]}
 
@@ -121,7 +122,7 @@ def _build_row(name, model, world_size, pp_rank, microbatches, costs, record_tim
     return func, [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
 
 
-def _time_iteration(func, ddp, data, model, microbatches) -> tuple[float, float]:
+def _time_iteration(func, ddp, data, model, microbatches, forward_step_func=forward_step) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one iteration, each the slowest rank's."""
     import time
 
@@ -132,7 +133,7 @@ def _time_iteration(func, ddp, data, model, microbatches) -> tuple[float, float]
     iterators = [iter(data) for _ in ddp]
     torch.distributed.barrier()
     start, cpu_start = _now(), time.process_time()
-    func(forward_step_func=forward_step, data_iterator=iterators if len(ddp) > 1 else iterators[0],
+    func(forward_step_func=forward_step_func, data_iterator=iterators if len(ddp) > 1 else iterators[0],
          model=ddp if len(ddp) > 1 else ddp[0], num_microbatches=microbatches,
          seq_length=model.seq_length, micro_batch_size=model.micro_batch_size)
     elapsed = torch.tensor([_now() - start, time.process_time() - cpu_start], dtype=torch.float64)

@@ -52,13 +52,19 @@ def test_bench_peers_has_a_row_per_system(tmp_path):
     # Same layers on both sides: equal weights give equal losses and gradients.
     assert report["check"]["num_losses_compared"] == 4
     assert report["check"]["max_loss_abs_diff"] < 1e-4 and report["check"]["max_grad_rel_diff"] < 1e-4
-    assert set(rows) == {"torch-zbv", "torch-dualpipev", "vshape-v-zb", "vshape-1f1b"}
+    assert set(rows) == {"torch-zbv", "torch-dualpipev", "torch-1f1b", "vshape-v-zb", "vshape-1f1b"}
     for row in rows.values():
         assert len(row["wall_s"]) == 2 and row["median_ms"] > 0
     assert rows["torch-zbv"]["ratio_to_torch_zbv"] == pytest.approx(1.0)
     assert rows["torch-zbv"]["paired_ratio_to_torch_zbv"] == pytest.approx(1.0)
     assert rows["vshape-v-zb"]["ratio_to_torch_zbv"] == pytest.approx(
         rows["vshape-v-zb"]["median_ms"] / rows["torch-zbv"]["median_ms"])
+    # Where each rank's time went: both sides' passes were timed, and compute fits in the iteration.
+    split = {(r["system"], r["rank"]): r for r in report["compute"]}
+    assert set(split) == {(system, rank) for system in rows for rank in (0, 1)}
+    for (system, _rank), record in split.items():
+        assert record["forward_ms"] > 0 and record["backward_ms"] > 0
+        assert record["forward_ms"] + record["backward_ms"] < 1000 * max(rows[system]["wall_s"])
 
 
 def test_bench_peers_rejects_unknown_torch_schedule():
