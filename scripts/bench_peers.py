@@ -1,4 +1,4 @@
-"""Iteration time of the vshape executor against PyTorch's own V schedules, on the same GPT chunks.
+"""Iteration time of the vshape executor against PyTorch's own pipeline schedules, on the same GPT chunks.
 
     python scripts/bench_peers.py [--microbatches 8] [--iters 10] [--json FILE]
 
