@@ -313,6 +313,27 @@ def summarize(rows: dict) -> list[dict]:
             for name, times in rows.items()]
 
 
+CONTROL_ROWS = ("vshape-1f1b", "torch-1f1b")
+
+
+def layers_control(rows: dict) -> float | None:
+    """Our 1F1B's time / torch's 1F1B's (paired median): the same schedule and stages, so what the two
+    sides' layers and runtimes cost apart from any schedule; None without both rows."""
+    ours, theirs = CONTROL_ROWS
+    if ours not in rows or theirs not in rows:
+        return None
+    return _paired_ratio(rows[ours]["wall_s"], rows[theirs]["wall_s"])
+
+
+def format_control(records: list[dict], control: float) -> str:
+    """The control, and each vshape row's ratio to torch ZBV divided by it: an estimate of the ratio with
+    equal layers on both sides (derived, not measured)."""
+    parts = [f"{r['system']} {r['paired_ratio_to_torch_zbv'] / control:.3f}" for r in records
+             if r["system"].startswith("vshape-") and r["paired_ratio_to_torch_zbv"] is not None]
+    return (f"control: {CONTROL_ROWS[0]} / {CONTROL_ROWS[1]} (paired) = {control:.3f}; time / torch-zbv over it "
+            f"(estimate with equal layers): {', '.join(parts)}")
+
+
 def compute_split(rows: dict, compute: list[dict]) -> list[dict]:
     """Per row and rank: median forward and backward compute, and the rest of the iteration (the
     slowest rank's wall time less this rank's compute: waits, p2p and bookkeeping), in ms."""
@@ -403,12 +424,15 @@ def main(argv=None) -> int:
           f"vshape costs {result['costs']}")
     print(format_table(records))
     print(format_compute(split))
+    control = layers_control(result["rows"])
+    if control is not None and REFERENCE_ROW in result["rows"]:
+        print(format_control(records, control))
     if result["check"] is not None:
         print(f"torch-zbv vs vshape-v-zb on equal weights: {result['check']}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"config": vars(args), "costs": result["costs"], "check": result["check"], "rows": records,
-                       "compute": split},
+                       "compute": split, "layers_control": control},
                       handle, indent=2)
     check = result["check"]
     if check is not None and (check["max_loss_abs_diff"] > 1e-4 or check["max_grad_rel_diff"] > 1e-4):

@@ -59,6 +59,9 @@ def test_bench_peers_has_a_row_per_system(tmp_path):
     assert rows["torch-zbv"]["paired_ratio_to_torch_zbv"] == pytest.approx(1.0)
     assert rows["vshape-v-zb"]["ratio_to_torch_zbv"] == pytest.approx(
         rows["vshape-v-zb"]["median_ms"] / rows["torch-zbv"]["median_ms"])
+    # The control: our 1F1B against torch's on the same stages, paired round by round.
+    assert report["layers_control"] == pytest.approx(bench_peers._paired_ratio(
+        rows["vshape-1f1b"]["wall_s"], rows["torch-1f1b"]["wall_s"]))
     # Where each rank's time went: both sides' passes were timed, and compute fits in the iteration.
     split = {(r["system"], r["rank"]): r for r in report["compute"]}
     assert set(split) == {(system, rank) for system in rows for rank in (0, 1)}
