@@ -49,7 +49,7 @@ import bench_runtime  # noqa: E402
 
 from megatron_vshape.schedules import Costs  # noqa: E402
 from megatron_vshape.testing import spawn  # noqa: E402
-from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, make_config, microbatch  # noqa: E402
+from megatron_vshape.testing.tiny_gpt import ModelSettings, microbatch  # noqa: E402
 
 # row -> (torch.distributed.pipelining class, the vshape schedule whose placement its stages take)
 TORCH_SCHEDULES = {"torch-zbv": ("ScheduleZBVZeroBubble", "v-zb"), "torch-dualpipev": ("ScheduleDualPipeV", "v-zb"),
@@ -149,14 +149,11 @@ def _build_torch_row(name, model, world_size, pp_rank, microbatches, clock: Pass
     import torch
     from torch.distributed import pipelining
 
-    from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
+    from megatron_vshape.runtime import build_forward_backward_func
 
     class_name, placed_as = TORCH_SCHEDULES[name]
     placement = build_forward_backward_func(placed_as).schedule(world_size, microbatches).placement
-    vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
-    config = make_config(model, world_size, 1, vp, False)
-    chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
-        config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
+    _config, chunks = bench_runtime.gpt_chunks(model, world_size, pp_rank, placement)
     modules = []
     stages = []
     for chunk, stage_index in zip(chunks, placement.stages_per_device[pp_rank]):
@@ -339,11 +336,11 @@ def compute_split(rows: dict, compute: list[dict]) -> list[dict]:
     slowest rank's wall time less this rank's compute: waits, p2p and bookkeeping), in ms."""
     records = []
     for name, times in rows.items():
+        wall = statistics.median(times["wall_s"])
         for rank, per_rank in enumerate(compute):
             forward = [f for f, _ in per_rank[name]]
             backward = [b for _, b in per_rank[name]]
-            rest = [wall - f - b for wall, f, b in zip(times["wall_s"], forward, backward)]
-            wall = statistics.median(times["wall_s"])
+            rest = [total - f - b for total, f, b in zip(times["wall_s"], forward, backward)]
             records.append({"system": name, "rank": rank, "forward_ms": statistics.median(forward) * 1000,
                             "backward_ms": statistics.median(backward) * 1000,
                             "rest_ms": statistics.median(rest) * 1000,

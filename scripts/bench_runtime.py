@@ -105,7 +105,7 @@ def _build_row(name, model, world_size, pp_rank, microbatches, costs, record_tim
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-    from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
+    from megatron_vshape.runtime import build_forward_backward_func
 
     name, _, variant = name.partition(":")  # "v-zb:eager": an old executor policy (VARIANTS), side by side
     ours = build_forward_backward_func("1f1b" if name == "megatron-1f1b" else name, costs=costs,
@@ -113,13 +113,20 @@ def _build_row(name, model, world_size, pp_rank, microbatches, costs, record_tim
     ours.eager_waits = variant == "eager"
     ours.fuse_remote_pairs = variant == "fused"
     func = forward_backward_pipelining_without_interleaving if name == "megatron-1f1b" else ours
-    placement = ours.schedule(world_size, microbatches).placement
+    config, chunks = gpt_chunks(model, world_size, pp_rank, ours.schedule(world_size, microbatches).placement)
+    config.finalize_model_grads_func = finalize_model_grads
+    return func, [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
+
+
+def gpt_chunks(model, world_size, pp_rank, placement):
+    """(config, this rank's GPT chunks) for ``placement``: the stages it places on ``pp_rank``."""
+    from megatron_vshape.runtime import build_model_chunks
+
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
     config = make_config(model, world_size, 1, vp, False)
-    config.finalize_model_grads_func = finalize_model_grads
     chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
         config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
-    return func, [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
+    return config, chunks
 
 
 def _time_iteration(func, ddp, data, model, microbatches, forward_step_func=forward_step) -> tuple[float, float]:
