@@ -5,8 +5,8 @@ setup(
     version="0.1.0",
     description="Pipeline Parallelism with Controllable Memory (V-Min, V-Half, V-ZB) for megatron-core",
     packages=find_packages(include=["megatron_vshape", "megatron_vshape.*"]),
-    # v-auto's cache of solved small cells (schedules/exact/solved.py): read at run time.
-    package_data={"megatron_vshape.schedules.exact": ["solved_cells.json"]},
+    # v-auto's cache of solved small cells (schedules/generators/solved.py): read at run time.
+    package_data={"megatron_vshape.schedules.generators": ["solved_cells.json"]},
     python_requires=">=3.10",
     install_requires=[],
     extras_require={

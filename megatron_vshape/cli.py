@@ -35,19 +35,12 @@ from .cli_parser import (
     usage_error,
 )
 from .progress import phase
-from .schedules import (
-    SCHEDULES,
-    Costs,
-    Schedule,
-    ScheduleError,
-    get_schedule,
-    inputs,
-    schedule_names,
-    simulate,
-    validate,
-)
-from .schedules.render_text import text_grid
-from .schedules.validator import w_order_breaks
+from .schedules.core import inputs
+from .schedules.core.schedule import Costs, Schedule, ScheduleError
+from .schedules.core.simulator import simulate
+from .schedules.export.render_text import text_grid
+from .schedules.generators.registry import SCHEDULES, get_schedule, schedule_names
+from .schedules.lowering.validator import validate, w_order_breaks
 
 # The parser, the usage error and Costs stay importable from here (verify and the tests use them).
 __all__ = ["EXPORT_FORMATS", "IMPORT_FORMATS", "Costs", "OneLineParser", "UsageError", "build_parser", "main",
@@ -162,7 +155,7 @@ def _cmd_simulate(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from .schedules.render_plot import check_image_path, plot_memory, plot_schedule
+    from .schedules.export.render_plot import check_image_path, plot_memory, plot_schedule
 
     check_image_path(args.output)  # fail before a long simulation
     if isinstance(args.memory, str):
@@ -184,7 +177,7 @@ def _cmd_export(args) -> int:
     fmt = args.format
     if fmt == "torch-csv":
         _validate(schedule)
-        from .schedules.torch_csv import to_torch_csv
+        from .schedules.export.torch_csv import to_torch_csv
 
         text = to_torch_csv(schedule, merge_backward=args.merge_backward)
     elif fmt == "text":
@@ -193,7 +186,7 @@ def _cmd_export(args) -> int:
     else:
         result = _simulate(schedule, args)
         if fmt == "chrome-trace":
-            from .schedules.trace import chrome_trace
+            from .schedules.export.trace import chrome_trace
 
             text = json.dumps(chrome_trace(result)) + "\n"
         elif fmt == "grid":
@@ -213,8 +206,8 @@ def _write(output: str, text: str) -> None:
 
 
 def _cmd_import(args) -> int:
-    from .schedules.actions import parse_action
-    from .schedules.torch_csv import from_torch_csv, parse_torch_csv
+    from .schedules.core.actions import parse_action
+    from .schedules.export.torch_csv import from_torch_csv, parse_torch_csv
 
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
     name = args.name or (Path(args.file).stem if args.file != "-" else "imported")

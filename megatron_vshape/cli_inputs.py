@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 
 from .cli_parser import UsageError
-from .schedules import SCHEDULES, Costs, MemoryModel, Placement, inputs, parse_stage_work
+from .schedules.core import inputs
+from .schedules.core.schedule import Costs, MemoryModel, Placement, parse_stage_work
+from .schedules.generators.registry import SCHEDULES
 
 
 def costs_of(args) -> Costs:

@@ -17,10 +17,11 @@ import sys
 
 from . import cli_inputs
 from .cli_parser import OneLineParser, UsageError, _add_costs_and_memory, usage_error
-from .schedules import PlacementKind, ScheduleError, inputs, parse_stage_work
+from .schedules.core import inputs
+from .schedules.core.schedule import PlacementKind, ScheduleError, parse_stage_work
 from .schedules.exact import optimize
 from .schedules.exact.problem import MAX_MEMORY_LIMIT
-from .schedules.render_text import text_grid
+from .schedules.export.render_text import text_grid
 
 _MAX_CELL_PASSES = 20_000  # a model this size takes minutes to build; the solver is for small cells
 

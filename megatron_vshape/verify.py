@@ -30,7 +30,7 @@ from megatron_vshape.testing.tiny_gpt import DTYPES, SPECS
 
 def _parse(argv):
     from megatron_vshape.cli_parser import OneLineParser  # a usage error is one line, not argparse's usage dump
-    from megatron_vshape.schedules import schedule_names
+    from megatron_vshape.schedules.generators.registry import schedule_names
 
     parser = OneLineParser(prog="vshape verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", required=True, help=f"one of: {', '.join(schedule_names())}")
@@ -80,7 +80,7 @@ def tolerances(device: str, dtype: str) -> tuple[float, float]:
 
 def _check_numbers(args) -> None:
     """Sizes, limits and tolerances finite and in range (InputError names the flag)."""
-    from megatron_vshape.schedules import inputs
+    from megatron_vshape.schedules.core import inputs
 
     for flag in ("pp", "tp", "dp"):
         inputs.count(f"--{flag}", getattr(args, flag), 1, 64)
@@ -96,7 +96,7 @@ def _check_numbers(args) -> None:
 
 
 def _check_args(args) -> None:
-    from megatron_vshape.schedules import SCHEDULES, get_schedule
+    from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
 
     _check_numbers(args)
     if args.schedule not in SCHEDULES:
@@ -129,7 +129,7 @@ def _check_args(args) -> None:
 
 def _layout_counts(args, stages: int) -> tuple[int, ...] | None:
     """``--pipeline-layout`` as counts (None: uniform), or SystemExit with one line."""
-    from megatron_vshape.schedules.stage_layout import BALANCED, UNIFORM, parse_layout
+    from megatron_vshape.layout_flag import BALANCED, UNIFORM, parse_layout
 
     if args.pipeline_layout.strip().lower() == UNIFORM:
         return None

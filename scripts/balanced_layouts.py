@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_vshape.layout_flag import format_layout
 from megatron_vshape.planner import CostModel, GPTModel, Layout, calibrate_efficiency, get_gpu, get_model
 from megatron_vshape.planner.balance import device_work, placement_for, stage_work
 from megatron_vshape.planner.cli import PAPER_F_MS
 from megatron_vshape.planner.layout_mfu import LayoutComparison, chunk_costs, compare_layouts
-from megatron_vshape.schedules.stage_layout import format_layout
 
 LLAMA = GPTModel("Llama-3-8B-like", 32, 4096, 32, 8192, 128256)
 LLAMA_BATCH = 128  # sequences per iteration (about 1M tokens)

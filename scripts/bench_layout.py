@@ -101,7 +101,7 @@ def measured_costs(stage_times, counts, num_layers: int, pp: int):
     A layer's F/B/W is the middle stages' mean per layer; the first and last stages' surplus over
     their layers is the embedding's and the head's work, in layers' worth."""
     from megatron_vshape.planner.balance import StageExtras
-    from megatron_vshape.schedules import Costs
+    from megatron_vshape.schedules.core.schedule import Costs
 
     middle = range(1, len(counts) - 1)
     per_layer = [sum(stage_times[k][s] / counts[s] for s in middle) / len(middle) for k in range(3)]
@@ -123,7 +123,7 @@ def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False):
     from megatron_vshape.planner.balance import stage_work
     from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
     from megatron_vshape.runtime.layer_layout import megatron_layout
-    from megatron_vshape.schedules import Costs
+    from megatron_vshape.schedules.core.schedule import Costs
 
     planner = _planner_model(model)
     uneven = len(set(counts)) > 1
@@ -170,8 +170,8 @@ def _planner_model(model: ModelSettings):
 
 def choose(model: ModelSettings, schedule: str, pp: int, microbatches: int):
     """(uniform counts, LayoutChoice) as ``--pipeline-layout uniform`` / ``balanced`` pick them."""
+    from megatron_vshape.layout_flag import uniform_layout
     from megatron_vshape.planner.balance import placement_for
-    from megatron_vshape.schedules.stage_layout import uniform_layout
 
     stages = placement_for(schedule, pp).num_stages
     return uniform_layout(model.num_layers, stages), choose_layout(_planner_model(model), schedule, pp, microbatches)

@@ -53,7 +53,9 @@ class MemoryRow:
 def gpt_model_peaks(spec: RunSpec) -> dict[str, list[float]]:
     """Per-rank simulated peaks of each schedule under the GPT memory model, as the executor built it."""
     from megatron_vshape.runtime import build_forward_backward_func
-    from megatron_vshape.schedules import SCHEDULES, Costs, MemoryModel, simulate
+    from megatron_vshape.schedules.core.schedule import Costs, MemoryModel
+    from megatron_vshape.schedules.core.simulator import simulate
+    from megatron_vshape.schedules.generators.registry import SCHEDULES
 
     memory = MemoryModel.for_gpt(spec.model.hidden_size, spec.model.num_heads, spec.model.seq_length)
     peaks = {}
@@ -104,7 +106,7 @@ def _parse(argv):
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     schedules = tuple(s for s in args.schedules.split(",") if s)
-    from megatron_vshape.schedules import SCHEDULES
+    from megatron_vshape.schedules.generators.registry import SCHEDULES
 
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ itsel
 
 import bench_runtime  # noqa: E402
 
-from megatron_vshape.schedules import Costs  # noqa: E402
+from megatron_vshape.schedules.core.schedule import Costs  # noqa: E402
 from megatron_vshape.testing import spawn  # noqa: E402
 from megatron_vshape.testing.tiny_gpt import ModelSettings, microbatch  # noqa: E402
 
@@ -391,7 +391,7 @@ def _parse(argv):
                              "(runtime/replan.py's rule, on a V-ZB run: the same as bench_runtime.py)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
-    from megatron_vshape.schedules import SCHEDULES
+    from megatron_vshape.schedules.generators.registry import SCHEDULES
 
     ours = tuple(s for s in args.ours.split(",") if s)
     torch_rows = tuple(s for s in args.torch.split(",") if s)

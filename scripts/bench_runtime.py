@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from megatron_vshape.runtime.replan import fold_stages, with_measured_stages
 from megatron_vshape.runtime.timeline import HEADER, chrome_trace, format_rows, simulated_idle, summarize
-from megatron_vshape.schedules import Costs
+from megatron_vshape.schedules.core.schedule import Costs
 from megatron_vshape.testing import spawn
 from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
 
@@ -221,7 +221,8 @@ def _text(costs: Costs) -> str:
 
 def idle_table(results, measured: Costs, staged: Costs, schedules) -> dict:
     """Per schedule and rank, the median iteration's timeline summary (see the module docstring)."""
-    from megatron_vshape.schedules import lower, simulate
+    from megatron_vshape.schedules.core.simulator import simulate
+    from megatron_vshape.schedules.lowering.messages import lower
 
     lines = ["per-rank timeline of the median iteration (ms; outsd = before/after the call while other ranks "
              "run; idle% = waits + bookkeeping + outsd, of the pipeline's span less gsync; "

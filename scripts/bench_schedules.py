@@ -25,14 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_vshape.schedules import (  # noqa: E402
-    SCHEDULES,
-    Costs,
-    ScheduleError,
-    get_schedule,
-    simulate,
-    validate,
-)
+from megatron_vshape.schedules.core.schedule import Costs, ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
+from megatron_vshape.schedules.lowering.validator import validate
 
 TARGET_S = 2.0
 

@@ -227,7 +227,7 @@ def build_steps(args: argparse.Namespace, gpus: int) -> list[Step]:
                       args.pretrain_timeout, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}))
     if gpus >= 2:
         sys.path.insert(0, str(ROOT))  # the schedule names (pure Python), also from a plain checkout
-        from megatron_vshape.schedules import SCHEDULES
+        from megatron_vshape.schedules.generators.registry import SCHEDULES
 
         for pp in (p for p in (2, 4) if p <= gpus):
             steps += [verify_step(py, name, pp, "te", args.verify_timeout, "multi") for name in SCHEDULES]

@@ -21,15 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_vshape.schedules import Costs, PlacementKind, get_schedule, simulate  # noqa: E402
-from megatron_vshape.schedules.exact import optimize  # noqa: E402
-from megatron_vshape.schedules.exact.oracle import (  # noqa: E402
-    COST_SETTINGS,
-    HEURISTICS,
-    TOLERANCE,
-    heuristic_limit,
+from megatron_vshape.schedules.core.schedule import (
+    Costs,
+    PlacementKind,
+    looped_stage_work,  # noqa: E402
 )
-from megatron_vshape.schedules.schedule import looped_stage_work  # noqa: E402
+from megatron_vshape.schedules.core.simulator import simulate  # noqa: E402
+from megatron_vshape.schedules.exact import optimize  # noqa: E402
+from megatron_vshape.schedules.exact.oracle import COST_SETTINGS, HEURISTICS, TOLERANCE, heuristic_limit
+from megatron_vshape.schedules.generators.registry import get_schedule
 
 _SOLVED: dict = {}
 
@@ -98,8 +98,8 @@ def main(argv=None) -> int:
 
 def write_cache(records: list[dict], path: str) -> None:
     """The V cells whose solved schedule v-auto (its own candidates) does not reach."""
-    from megatron_vshape.schedules.adaptive import choose
-    from megatron_vshape.schedules.exact.solved import SolvedCell, cell_to_json
+    from megatron_vshape.schedules.generators.adaptive import choose
+    from megatron_vshape.schedules.generators.solved import SolvedCell, cell_to_json
 
     cells = []
     for r in records:

@@ -14,8 +14,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_vshape.schedules import Costs, ScheduleError, get_schedule, simulate
-from megatron_vshape.schedules.adaptive import lowest_reachable_limit, v_auto
+from megatron_vshape.schedules.core.schedule import Costs, ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.adaptive import lowest_reachable_limit, v_auto
+from megatron_vshape.schedules.generators.registry import get_schedule
 
 BASELINES = ("1f1b", "zb-1p", "zb-2p", "v-min", "v-half", "v-zb")
 DEFAULT_COSTS = ("f=1,b=1,w=1,comm=0", "f=1,b=1.1,w=0.9,comm=0.05")

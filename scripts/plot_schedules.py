@@ -15,8 +15,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_vshape.schedules import Costs, ScheduleError, get_schedule, schedule_names, simulate
-from megatron_vshape.schedules.render_plot import plot_schedule
+from megatron_vshape.schedules.core.schedule import Costs, ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.export.render_plot import plot_schedule
+from megatron_vshape.schedules.generators.registry import get_schedule, schedule_names
 
 TIMELINE_SIZE = (4, 8)  # devices, microbatches: small enough to read every box
 FRONTIER_DEVICES = (8, 16)

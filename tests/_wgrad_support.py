@@ -258,7 +258,10 @@ def _run_schedule(name: str, devices: int, microbatches: int) -> int:
     import torch
 
     from megatron_vshape.runtime.wgrad import WeightGradStore
-    from megatron_vshape.schedules import Costs, Kind, get_schedule, simulate
+    from megatron_vshape.schedules.core.actions import Kind
+    from megatron_vshape.schedules.core.schedule import Costs
+    from megatron_vshape.schedules.core.simulator import simulate
+    from megatron_vshape.schedules.generators.registry import get_schedule
 
     costs = Costs(f=1, b=1, w=1, comm=0)
     schedule = get_schedule(name, num_devices=devices, num_microbatches=microbatches, costs=costs)

@@ -9,17 +9,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_vshape.schedules import BuildingBlock, Costs, Kind, Placement, ScheduleError, simulate, validate
-from megatron_vshape.schedules.adaptive import (
+from megatron_vshape.schedules.core.actions import Kind
+from megatron_vshape.schedules.core.schedule import Costs, Placement, ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.adaptive import (
     candidate_blocks,
     evaluate_candidates,
     greedy_caps,
     lowest_reachable_limit,
     v_auto,
 )
-from megatron_vshape.schedules.adaptive_blocks import GapPattern, _collision_free_joins, _leg_patterns
-from megatron_vshape.schedules.v_schedules import v_block, v_half_block, v_min_block
-from megatron_vshape.schedules.zero_bubble import v_zb
+from megatron_vshape.schedules.generators.adaptive_blocks import GapPattern, _collision_free_joins, _leg_patterns
+from megatron_vshape.schedules.generators.block import BuildingBlock
+from megatron_vshape.schedules.generators.v_schedules import v_block, v_half_block, v_min_block
+from megatron_vshape.schedules.generators.zero_bubble import v_zb
+from megatron_vshape.schedules.lowering.validator import validate
 
 EQUAL = Costs()
 UNEQUAL = Costs(f=1, b=1.1, w=0.9, comm=0.05)
@@ -120,7 +124,7 @@ def _reference_bubble(schedule, costs):
 # d = 8: seconds, d = 16: minutes of CPU (the full run; the fast tier has d = 8 below, at the fixed schedules' limits)
 @pytest.mark.parametrize("d", [4, pytest.param(8, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)])
 def test_v_auto_keeps_each_limit_and_matches_v_half_and_zb_1p(d, costs):
-    from megatron_vshape.schedules import get_schedule
+    from megatron_vshape.schedules.generators.registry import get_schedule
 
     m = 4 * d
     bubbles = []
@@ -187,7 +191,7 @@ def test_every_candidate_is_valid_and_measured():
 def test_never_worse_than_a_fixed_v_schedule_that_fits(d, m, costs):
     """At the memory of V-Min, V-Half and V-ZB, v-auto is at least as good as each (exact search
     up to 1024 cells, the fixed-schedule shortlist above)."""
-    from megatron_vshape.schedules import get_schedule
+    from megatron_vshape.schedules.generators.registry import get_schedule
 
     for name in ("v-min", "v-half", "v-zb"):
         fixed = simulate(get_schedule(name, d, m, costs), costs)

@@ -15,7 +15,9 @@ from megatron_vshape.planner.balance import (
     stage_work,
 )
 from megatron_vshape.planner.model import GPTModel
-from megatron_vshape.schedules import Costs, ScheduleError, get_schedule, simulate
+from megatron_vshape.schedules.core.schedule import Costs, ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
 
 # Head = 2hV = 262k FLOPs per token against a layer's 24h^2 + 4sh = 106k: about 2.5 layers.
 HEAD_HEAVY = GPTModel("head-heavy", 16, 64, 4, 32, 2048)

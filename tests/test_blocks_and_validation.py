@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_vshape.schedules import (
-    Action,
-    BuildingBlock,
-    Costs,
-    Kind,
-    Placement,
-    Schedule,
-    ScheduleError,
-    fill_w,
-    get_schedule,
-    lower,
-    schedule_from_block,
-    simulate,
-    validate,
-)
-from megatron_vshape.schedules.comm import CommError, DevicePlan, check_plan
-from megatron_vshape.schedules.v_schedules import v_half_block, v_min_block
+from megatron_vshape.schedules.core.actions import Action, Kind
+from megatron_vshape.schedules.core.schedule import Costs, Placement, Schedule, ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.block import BuildingBlock, fill_w
+from megatron_vshape.schedules.generators.block_schedule import schedule_from_block
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.generators.v_schedules import v_half_block, v_min_block
+from megatron_vshape.schedules.lowering.messages import CommError, DevicePlan, check_plan, lower
+from megatron_vshape.schedules.lowering.validator import validate
 
 
 def my_block(d: int) -> BuildingBlock:
@@ -80,7 +72,7 @@ def test_comm_is_charged_only_between_devices():
 
 
 def test_memory_model_b_release():
-    from megatron_vshape.schedules import MemoryModel
+    from megatron_vshape.schedules.core.schedule import MemoryModel
 
     schedule = get_schedule("1f1b", 4, 8)
     simple = simulate(schedule).peak_memory_max

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from megatron_vshape import cli
-from megatron_vshape.schedules import SCHEDULES, get_schedule, simulate
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -6,8 +6,11 @@ import threading
 
 import pytest
 
-from megatron_vshape.schedules import Costs, get_schedule, simulate, validate
-from megatron_vshape.schedules.gc_pause import gc_paused
+from megatron_vshape.schedules.core.gc_pause import gc_paused
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.lowering.validator import validate
 
 
 @pytest.fixture(autouse=True)

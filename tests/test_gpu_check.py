@@ -19,7 +19,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 
-from megatron_vshape.schedules import SCHEDULES  # noqa: E402
+from megatron_vshape.schedules.generators.registry import SCHEDULES  # noqa: E402
 
 
 def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_vshape import cli, progress
-from megatron_vshape.schedules import Costs, Placement, ScheduleError, inputs
-from megatron_vshape.schedules.torch_csv import from_torch_csv
+from megatron_vshape.schedules.core import inputs
+from megatron_vshape.schedules.core.schedule import Costs, Placement, ScheduleError
+from megatron_vshape.schedules.export.torch_csv import from_torch_csv
 
 # Fast tier: 40 fixed examples per property. VSHAPE_FUZZ_EXAMPLES=2000 explores more, randomly.
 _DEEP = int(os.environ.get("VSHAPE_FUZZ_EXAMPLES", "0"))

@@ -15,28 +15,19 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_vshape.schedules import (
-    Costs,
-    MemoryModel,
-    Placement,
-    get_schedule,
-    schedule_names,
-    simulate,
-    slot_reorder,
-    v_zb_builder,
-    validate,
-    zb_builder,
-)
-from megatron_vshape.schedules.actions import Kind
-from megatron_vshape.schedules.greedy import Admission, GreedyConfig, greedy_schedule
-from megatron_vshape.schedules.ledger import MemoryLedger, input_ready
-from megatron_vshape.schedules.registry import get_spec
-from megatron_vshape.schedules.reorder import fill_idle
-from megatron_vshape.schedules.schedule import StageWork, one_f_one_b_peak
-from megatron_vshape.schedules.slot_memory import explicit_levels, slot_deltas
-from megatron_vshape.schedules.timing import UNSET, PassIds
-from megatron_vshape.schedules.v_schedules import v_half_block, v_min_block
-from megatron_vshape.schedules.zero_bubble import _f_first_deep
+from megatron_vshape.schedules.core.actions import Kind
+from megatron_vshape.schedules.core.ledger import MemoryLedger, input_ready
+from megatron_vshape.schedules.core.schedule import Costs, MemoryModel, Placement, StageWork, one_f_one_b_peak
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.core.timing import UNSET, PassIds
+from megatron_vshape.schedules.generators import slot_reorder, v_zb_builder, zb_builder
+from megatron_vshape.schedules.generators.greedy import Admission, GreedyConfig, greedy_schedule
+from megatron_vshape.schedules.generators.registry import get_schedule, get_spec, schedule_names
+from megatron_vshape.schedules.generators.reorder import fill_idle
+from megatron_vshape.schedules.generators.slot_memory import explicit_levels, slot_deltas
+from megatron_vshape.schedules.generators.v_schedules import v_half_block, v_min_block
+from megatron_vshape.schedules.generators.zero_bubble import _f_first_deep
+from megatron_vshape.schedules.lowering.validator import validate
 
 GPT = MemoryModel.for_gpt(hidden=4096, heads=32, seq_length=4096)  # B frees ~0.84 of an F
 MODELS = (MemoryModel(), GPT)

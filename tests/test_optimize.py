@@ -12,20 +12,15 @@ import sys
 import pytest
 from _solver_support import need_solver
 
-from megatron_vshape.schedules import (
-    Costs,
-    PlacementKind,
-    ScheduleError,
-    get_schedule,
-    schedule_from_block,
-    simulate,
-    validate,
-)
+from megatron_vshape.schedules.core.schedule import Costs, PlacementKind, ScheduleError, one_f_one_b_peak
+from megatron_vshape.schedules.core.simulator import simulate
 from megatron_vshape.schedules.exact import build_problem, optimize
 from megatron_vshape.schedules.exact import optimum as optimize_module
 from megatron_vshape.schedules.exact.problem import makespan_of, starts_of
-from megatron_vshape.schedules.schedule import one_f_one_b_peak
-from megatron_vshape.schedules.v_schedules import v_min_block
+from megatron_vshape.schedules.generators.block_schedule import schedule_from_block
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.generators.v_schedules import v_min_block
+from megatron_vshape.schedules.lowering.validator import validate
 
 UNEQUAL = Costs.parse("f=1,b=1.1,w=0.9,comm=0.05")
 

@@ -17,13 +17,22 @@ from pathlib import Path
 import pytest
 from _solver_support import need_solver
 
-from megatron_vshape.schedules import PlacementKind, Schedule, get_schedule, lower, simulate, validate
-from megatron_vshape.schedules.adaptive import choose, v_auto
+from megatron_vshape.schedules.core.schedule import (
+    Placement,
+    PlacementKind,
+    Schedule,
+    looped_stage_work,
+    one_f_one_b_peak,
+)
+from megatron_vshape.schedules.core.simulator import simulate
 from megatron_vshape.schedules.exact import optimize
 from megatron_vshape.schedules.exact.oracle import COST_SETTINGS, HEURISTICS, TOLERANCE
-from megatron_vshape.schedules.exact.solved import solved_cells
-from megatron_vshape.schedules.nccl_model import check_exchange
-from megatron_vshape.schedules.schedule import Placement, looped_stage_work, one_f_one_b_peak
+from megatron_vshape.schedules.generators.adaptive import choose, v_auto
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.generators.solved import solved_cells
+from megatron_vshape.schedules.lowering.messages import lower
+from megatron_vshape.schedules.lowering.nccl_model import check_exchange
+from megatron_vshape.schedules.lowering.validator import validate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "oracle_cells.json"
 CELLS = json.loads(FIXTURE.read_text())["cells"]

@@ -25,7 +25,9 @@ from megatron_vshape.planner.cli import PAPER_F_MS
 from megatron_vshape.planner.cli import main as plan_main
 from megatron_vshape.planner.search import _upper_bound, layouts
 from megatron_vshape.planner.simcache import run_pipeline
-from megatron_vshape.schedules import Costs, get_schedule, simulate
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = get_gpu("a100")

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_vshape.schedules import Costs, get_schedule, simulate
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "reference_targets.json").read_text())
 COSTS = {key: Costs.parse(text) for key, text in FIXTURE["cost_settings"].items()}

@@ -6,16 +6,15 @@ import dataclasses
 
 import pytest
 
-from megatron_vshape.schedules import (
+from megatron_vshape.schedules.core.schedule import Costs, ScheduleError
+from megatron_vshape.schedules.generators.registry import (
     SCHEDULES,
-    Costs,
-    ScheduleError,
+    ScheduleSpec,
     fuses_backward,
     get_schedule,
     get_spec,
-    validate,
 )
-from megatron_vshape.schedules.registry import ScheduleSpec
+from megatron_vshape.schedules.lowering.validator import validate
 
 UNEQUAL = Costs(1.0, 1.1, 0.9, 0.05)
 # Large enough that interleaved-1f1b's rule matters (its raw order deadlocks at d = 5, m = 7 and

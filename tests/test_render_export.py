@@ -10,20 +10,13 @@ import types
 
 import pytest
 
-from megatron_vshape.schedules import (
-    SCHEDULES,
-    Action,
-    Kind,
-    Placement,
-    Schedule,
-    ScheduleError,
-    get_schedule,
-    parse_action,
-    simulate,
-    validate,
-)
-from megatron_vshape.schedules.torch_csv import from_torch_csv, parse_torch_csv, to_torch_csv
-from megatron_vshape.schedules.trace import chrome_trace
+from megatron_vshape.schedules.core.actions import Action, Kind, parse_action
+from megatron_vshape.schedules.core.schedule import Placement, Schedule, ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.export.torch_csv import from_torch_csv, parse_torch_csv, to_torch_csv
+from megatron_vshape.schedules.export.trace import chrome_trace
+from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
+from megatron_vshape.schedules.lowering.validator import validate
 
 ALL = list(SCHEDULES)
 V_SCHEDULES = ["v-min", "v-half", "v-zb"]
@@ -236,7 +229,7 @@ def _colours(path) -> set[tuple[int, int, int]]:
 
 
 def test_plot_schedule_png(tmp_path):
-    from megatron_vshape.schedules import render_plot
+    from megatron_vshape.schedules.export import render_plot
 
     result = simulate(get_schedule("v-half", 4, 8))
     path = render_plot.plot_schedule(result, tmp_path / "v.png")
@@ -252,7 +245,7 @@ def test_plot_schedule_png(tmp_path):
 
 
 def test_plot_schedule_svg_and_looped(tmp_path):
-    from megatron_vshape.schedules.render_plot import plot_schedule
+    from megatron_vshape.schedules.export.render_plot import plot_schedule
 
     result = simulate(get_schedule("1f1b", 3, 5))
     path = plot_schedule(result, tmp_path / "a.svg", title="1F1B")
@@ -261,14 +254,14 @@ def test_plot_schedule_svg_and_looped(tmp_path):
 
 
 def test_plot_memory(tmp_path):
-    from megatron_vshape.schedules.render_plot import plot_memory
+    from megatron_vshape.schedules.export.render_plot import plot_memory
 
     path = plot_memory(simulate(get_schedule("v-min", 4, 8)), tmp_path / "m.png")
     assert path.stat().st_size > 10_000 and len(_colours(path)) > 20
 
 
 def test_plot_rejects_unknown_suffix(tmp_path):
-    from megatron_vshape.schedules.render_plot import plot_schedule
+    from megatron_vshape.schedules.export.render_plot import plot_schedule
 
     with pytest.raises(ValueError, match=r"\.png"):
         plot_schedule(simulate(get_schedule("1f1b", 2, 2)), tmp_path / "x.jpg")
@@ -280,11 +273,12 @@ def test_schedules_import_without_torch_and_matplotlib():
         "import sys\n"
         "sys.modules['torch'] = None\n"
         "sys.modules['matplotlib'] = None\n"
-        "import megatron_vshape.schedules.render_plot, megatron_vshape.schedules.trace\n"
-        "import megatron_vshape.schedules.torch_csv, megatron_vshape.schedules.render_text\n"
+        "import megatron_vshape.schedules.export.render_plot, megatron_vshape.schedules.export.trace\n"
+        "import megatron_vshape.schedules.export.torch_csv, megatron_vshape.schedules.export.render_text\n"
         "import megatron_vshape.cli\n"
-        "from megatron_vshape.schedules import get_schedule, simulate\n"
-        "from megatron_vshape.schedules.trace import chrome_trace\n"
+        "from megatron_vshape.schedules.generators.registry import get_schedule\n"
+        "from megatron_vshape.schedules.core.simulator import simulate\n"
+        "from megatron_vshape.schedules.export.trace import chrome_trace\n"
         "chrome_trace(simulate(get_schedule('v-half', 2, 2)))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

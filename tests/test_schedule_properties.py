@@ -10,7 +10,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from megatron_vshape.schedules import Costs, get_schedule, simulate, validate
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.lowering.validator import validate
 
 UNEQUAL = (Costs(f=1, b=1.1, w=0.9), Costs(f=1, b=1.1, w=0.9, comm=0.05), Costs(f=1, b=1.5, w=0.6, comm=0.1))
 FEW = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,18 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_vshape.schedules import (
-    Action,
-    Costs,
-    Kind,
-    MemoryModel,
-    ScheduleError,
-    get_schedule,
-    parse_action,
-    schedule_names,
-    simulate,
-    validate,
-)
+from megatron_vshape.schedules.core.actions import Action, Kind, parse_action
+from megatron_vshape.schedules.core.schedule import Costs, MemoryModel, ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule, schedule_names
+from megatron_vshape.schedules.lowering.validator import validate
 
 UNEQUAL = Costs(f=1, b=1.1, w=0.9, comm=0.05)
 ALL = [name for name in schedule_names() if name != "v-auto"]  # v-auto: tests/test_adaptive.py

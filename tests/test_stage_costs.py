@@ -17,19 +17,19 @@ from pathlib import Path
 import pytest
 
 from megatron_vshape import cli
-from megatron_vshape.schedules import (
+from megatron_vshape.schedules.core.actions import Kind
+from megatron_vshape.schedules.core.schedule import (
     Costs,
-    Kind,
     ScheduleError,
     StageWork,
-    get_schedule,
+    looped_stage_work,
+    one_f_one_b_peak,
     parse_stage_work,
-    schedule_names,
-    simulate,
-    validate,
 )
-from megatron_vshape.schedules.schedule import looped_stage_work, one_f_one_b_peak
-from megatron_vshape.schedules.v_schedules import v_half_block, v_min_block
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule, schedule_names
+from megatron_vshape.schedules.generators.v_schedules import v_half_block, v_min_block
+from megatron_vshape.schedules.lowering.validator import validate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "uniform_schedules.json"
 COST_SETTINGS = {
@@ -203,7 +203,7 @@ def test_zero_bubble_caps_hold_under_per_stage_memory(name, factor):
 def test_v_zb_builder_handles_unequal_stages():
     """The constructive V-ZB builder (not only the greedy one) completes with a slow first and
     last stage; before it skipped unready passes it failed every variant here."""
-    from megatron_vshape.schedules import v_zb_builder
+    from megatron_vshape.schedules.generators import v_zb_builder
 
     built = [v_zb_builder.build_v_zb(4, 16, HEAVY_V, variant) for variant in v_zb_builder.VARIANTS]
     assert all(schedule is not None for schedule in built)
@@ -213,7 +213,7 @@ def test_v_zb_builder_handles_unequal_stages():
 
 
 def test_sized_costs_keep_the_ends_for_proxy_pipelines():
-    from megatron_vshape.schedules.zero_bubble import sized_costs
+    from megatron_vshape.schedules.generators.zero_bubble import sized_costs
 
     costs = Costs().with_stages(_ends(16))
     small = sized_costs(costs, 8)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron_vshape.schedules.inputs import InputError
-from megatron_vshape.schedules.stage_layout import format_layout, parse_layout, uniform_layout
+from megatron_vshape.layout_flag import format_layout, parse_layout, uniform_layout
+from megatron_vshape.schedules.core.inputs import InputError
 
 
 def test_uniform_splits_evenly():

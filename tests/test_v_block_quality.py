@@ -10,9 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_vshape.schedules import Costs, Kind, simulate, slot_reorder, validate
-from megatron_vshape.schedules.adaptive import v_auto
-from megatron_vshape.schedules.v_schedules import v_half, v_half_block, v_min, v_min_block
+from megatron_vshape.schedules.core.actions import Kind
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators import slot_reorder
+from megatron_vshape.schedules.generators.adaptive import v_auto
+from megatron_vshape.schedules.generators.v_schedules import v_half, v_half_block, v_min, v_min_block
+from megatron_vshape.schedules.lowering.validator import validate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "reference_targets.json"
 BUILDERS = {"v-half": v_half, "v-min": v_min}

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_vshape.schedules import Costs, get_schedule, simulate, validate
-from megatron_vshape.schedules.exact.solved import solved_for
-from megatron_vshape.schedules.schedule import Placement
-from megatron_vshape.schedules.v_schedules import v_half_block, v_min_block
-from megatron_vshape.schedules.zero_bubble import GreedyFamily, best_greedy
+from megatron_vshape.schedules.core.schedule import Costs, Placement
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.generators.solved import solved_for
+from megatron_vshape.schedules.generators.v_schedules import v_half_block, v_min_block
+from megatron_vshape.schedules.generators.zero_bubble import GreedyFamily, best_greedy
+from megatron_vshape.schedules.lowering.validator import validate
 
 COSTS = {"equal": Costs(), "unequal_comm": Costs.parse("f=1,b=1.1,w=0.9,comm=0.05")}
 EPS = 1e-9

@@ -12,8 +12,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from megatron_vshape.schedules import SCHEDULES, Costs, Kind, Schedule, get_spec, validate
-from megatron_vshape.schedules.validator import keeps_w_order, w_order_breaks
+from megatron_vshape.schedules.core.actions import Kind
+from megatron_vshape.schedules.core.schedule import Costs, Schedule
+from megatron_vshape.schedules.generators.registry import SCHEDULES, get_spec
+from megatron_vshape.schedules.lowering.validator import keeps_w_order, validate, w_order_breaks
 
 # Which registry schedules keep the order (all of them; a generator that stops must be moved out
 # of this set, and then a split run with TE falls back to the split layer spec for it).

@@ -28,7 +28,8 @@ import functools
 import sys
 from collections.abc import Callable
 
-from ..schedules import SCHEDULES, PlacementKind
+from ..schedules.core.schedule import PlacementKind
+from ..schedules.generators.registry import SCHEDULES
 from . import layout
 
 # Schedules that keep Megatron's own forward_backward functions (install() does not replace them).

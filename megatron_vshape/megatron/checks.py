@@ -15,7 +15,7 @@ import argparse
 import math
 from collections.abc import Iterable
 
-from ..schedules import SCHEDULES
+from ..schedules.generators.registry import SCHEDULES
 from . import hybrid_layout, layout
 from .arguments import (
     AUTO_SCHEDULE,
@@ -165,7 +165,7 @@ def check_microbatches(args, sizes) -> str | None:
 
 def parse_pipeline_costs(text: str):
     """``Costs`` from ``--pipeline-costs f=..,b=..`` (``auto`` is handled by the caller)."""
-    from ..schedules import Costs
+    from ..schedules.core.schedule import Costs
 
     try:
         return Costs.parse(text)
@@ -255,7 +255,8 @@ def check_schedule_builds(args, sizes) -> str | None:
     import os
 
     from ..progress import phase
-    from ..schedules import inputs, validate
+    from ..schedules.core import inputs
+    from ..schedules.lowering.validator import validate
     from .run_schedule import run_schedule
 
     where = f"--pipeline-schedule {name} at PP={sizes.pp} with {sizes.num_microbatches} microbatches"

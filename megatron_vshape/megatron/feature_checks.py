@@ -128,7 +128,7 @@ def te_version_of(args) -> tuple[int, ...] | None:
 def _keeps_w_order(args) -> bool:
     """Whether the schedule this run trains with (its costs, its layout) runs W in B's order on every
     stage: TE's FIFO needs it. Built once and shared with the check that it builds (run_schedule)."""
-    from ..schedules.validator import keeps_w_order
+    from ..schedules.lowering.validator import keeps_w_order
     from .run_schedule import run_schedule
 
     sizes = Sizes.from_args(args)

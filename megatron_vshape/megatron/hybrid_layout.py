@@ -30,9 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules import SCHEDULES, PlacementKind
-from ..schedules.inputs import InputError
-from ..schedules.stage_layout import BALANCED, FLAG, format_layout, parse_layout
+from ..layout_flag import BALANCED, FLAG, format_layout, parse_layout
+from ..schedules.core.inputs import InputError
+from ..schedules.core.schedule import PlacementKind
+from ..schedules.generators.registry import SCHEDULES
 
 PATTERN_FLAG = "--hybrid-layer-pattern"
 PIPE, MTP = "|", "/"

@@ -364,7 +364,9 @@ def _to_device(value, device):
 
 
 def _simulate_bubble(runner: ScheduleRunner, num_devices: int, num_microbatches: int) -> float | None:
-    from megatron_vshape.schedules import Costs, ScheduleError, get_schedule, simulate
+    from megatron_vshape.schedules.core.schedule import Costs, ScheduleError
+    from megatron_vshape.schedules.core.simulator import simulate
+    from megatron_vshape.schedules.generators.registry import get_schedule
 
     try:
         executor = runner._inner

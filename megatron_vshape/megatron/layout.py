@@ -16,8 +16,9 @@ Pure Python (no torch, no megatron import): the checks run on every rank before 
 
 from __future__ import annotations
 
-from ..schedules import SCHEDULES, PlacementKind
-from ..schedules.stage_layout import BALANCED, FLAG, format_layout, parse_layout
+from ..layout_flag import BALANCED, FLAG, format_layout, parse_layout
+from ..schedules.core.schedule import PlacementKind
+from ..schedules.generators.registry import SCHEDULES
 from . import hybrid_layout
 
 UNIFORM = "uniform"
@@ -177,7 +178,7 @@ def layout_costs(costs, layers, works=None):
     F, B, W and memory in proportion to each stage's layer count. Without ``works`` a uniform layout
     returns ``costs`` unchanged, so today's schedules are built.
     """
-    from ..schedules.schedule import StageWork
+    from ..schedules.core.schedule import StageWork
 
     layers = tuple(layers)
     if works is None:

@@ -74,7 +74,7 @@ class ChunkBuilder:
         from megatron.core import parallel_state
 
         from megatron_vshape.runtime.layer_layout import megatron_layout
-        from megatron_vshape.schedules import Placement
+        from megatron_vshape.schedules.core.schedule import Placement
 
         placement = Placement.v_shape(parallel_state.get_pipeline_model_parallel_world_size())
         if config is not None and getattr(config, "pipeline_model_parallel_layout", None) is not None:
@@ -95,7 +95,7 @@ class ChunkBuilder:
         from megatron.core import parallel_state
 
         from megatron_vshape.runtime.placement import chunk_specs
-        from megatron_vshape.schedules import Placement
+        from megatron_vshape.schedules.core.schedule import Placement
 
         d, rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
         placement = Placement.v_shape(d) if self.is_v else Placement.looped(d, len(layers) // d)
@@ -112,7 +112,7 @@ class ChunkBuilder:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_vshape.runtime.placement import chunk_pg_collection, chunk_specs
-        from megatron_vshape.schedules import Placement
+        from megatron_vshape.schedules.core.schedule import Placement
 
         if vp_stage is None:
             raise ConfigError("--pipeline-schedule: a V schedule needs two model chunks per rank but megatron "

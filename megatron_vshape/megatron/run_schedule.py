@@ -21,7 +21,7 @@ from .sizes import Sizes, schedule_of
 def run_costs(args):
     """The costs iteration 1's schedule is built from, by the checks and by ``install`` alike
     (``--pipeline-costs auto`` starts from the default costs and re-plans from measured ones later)."""
-    from ..schedules import Costs
+    from ..schedules.core.schedule import Costs
     from .checks import parse_pipeline_costs
 
     spec = getattr(args, "pipeline_costs", None)
@@ -47,7 +47,7 @@ def clear() -> None:
 # A memo of a pure function of its key (no other state): the few schedules of this process's runs.
 @functools.lru_cache(maxsize=4)
 def _build(name: str, pp: int, num_microbatches: int, costs, memory_limit: float | None):
-    from .. import schedules  # looked up per call: tests may wrap get_schedule
+    from ..schedules.generators import registry  # looked up per call: tests may wrap get_schedule
 
     extra = {} if memory_limit is None else {"memory_limit": memory_limit}
-    return schedules.get_schedule(name, pp, num_microbatches, costs, **extra)
+    return registry.get_schedule(name, pp, num_microbatches, costs, **extra)

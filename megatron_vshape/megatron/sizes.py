@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..schedules import fuses_backward
+from ..schedules.generators.registry import fuses_backward
 from .arguments import MEGATRON_OWN_SCHEDULES
 
 

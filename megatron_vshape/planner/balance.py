@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schedules import SCHEDULES, Costs, Placement, PlacementKind, Schedule, ScheduleError, get_schedule, simulate
-from ..schedules.schedule import StageWork
-from ..schedules.stage_layout import check_layout
+from ..layout_flag import check_layout
+from ..schedules.core.schedule import Costs, Placement, PlacementKind, Schedule, ScheduleError, StageWork
+from ..schedules.core.simulator import simulate
+from ..schedules.generators.registry import SCHEDULES, get_schedule
 from .model import GPTModel
 from .simcache import exact_limit, extrapolation_sizes
 

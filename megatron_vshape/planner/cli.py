@@ -23,9 +23,10 @@ import sys
 from pathlib import Path
 
 from ..cli_parser import OneLineParser, UsageError, usage_error
+from ..layout_flag import format_layout
 from ..progress import phase
-from ..schedules import ScheduleError, inputs
-from ..schedules.stage_layout import format_layout
+from ..schedules.core import inputs
+from ..schedules.core.schedule import ScheduleError
 from .costs import CostModel, calibrate_efficiency
 from .explain import no_split, why_nothing
 from .hardware import GPUS, get_gpu

@@ -7,7 +7,7 @@ flags win in argparse, so appending these to a recipe's command line overrides i
 
 from __future__ import annotations
 
-from ..schedules.stage_layout import format_layout
+from ..layout_flag import format_layout
 from .layout import Layout
 from .predict import recompute_mode, split_name
 

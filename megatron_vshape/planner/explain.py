@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..schedules import SCHEDULES
+from ..schedules.generators.registry import SCHEDULES
 from .costs import CostModel
 from .layout import Layout
 from .model import GPTModel

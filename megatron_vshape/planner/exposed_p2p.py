@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..schedules import SCHEDULES, Costs, Placement, StageWork
+from ..schedules.core.schedule import Costs, Placement, StageWork
+from ..schedules.generators.registry import SCHEDULES
 
 # Schedules that Megatron-LM itself runs (blocking p2p); every other one runs on an
 # asynchronous-p2p runtime (the authors' fork for the paper's V and ZB schedules, this project's

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules import Costs
-from ..schedules.registry import fuses_backward
+from ..schedules.core.schedule import Costs
+from ..schedules.generators.registry import fuses_backward
 from .balance import LayoutChoice, choose_layout
 from .costs import CostModel
 from .layout import Layout

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules import Kind, SimulationResult
+from ..schedules.core.actions import Kind
+from ..schedules.core.simulator import SimulationResult
 from .layout import Layout, stage_layers
 from .model import GPTModel
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules import SCHEDULES, Costs, ScheduleError
-from ..schedules.registry import fuses_backward
-from ..schedules.schedule import StageWork
+from ..schedules.core.schedule import Costs, ScheduleError, StageWork
+from ..schedules.generators.registry import SCHEDULES, fuses_backward
 from .balance import placement_for, proportional_layout, stage_work
 from .costs import CostModel, PassTimes
 from .exposed_p2p import blocking_costs, blocks_on_p2p

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..schedules import SCHEDULES, ScheduleError
+from ..schedules.core.schedule import ScheduleError
+from ..schedules.generators.registry import SCHEDULES
 from .costs import CostModel
 from .layout import Layout
 from .memory import RESERVED_BYTES, bytes_per_param

@@ -16,7 +16,9 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..schedules import Costs, Schedule, SimulationResult, StageWork, get_schedule, simulate
+from ..schedules.core.schedule import Costs, Schedule, StageWork
+from ..schedules.core.simulator import SimulationResult, simulate
+from ..schedules.generators.registry import get_schedule
 
 
 @dataclass(frozen=True)

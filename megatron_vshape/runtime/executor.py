@@ -31,19 +31,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_vshape.schedules import (
-    SCHEDULES,
-    Action,
-    Costs,
-    DevicePlan,
-    Schedule,
-    ScheduleError,
-    get_schedule,
-    lower,
-    validate,
-)
-from megatron_vshape.schedules.exchange import Op, exchange_programs
-from megatron_vshape.schedules.exchange import forward_only_plan as _forward_only_plan
+from megatron_vshape.schedules.core.actions import Action
+from megatron_vshape.schedules.core.schedule import Costs, Schedule, ScheduleError
+from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
+from megatron_vshape.schedules.lowering.exchange import Op, exchange_programs
+from megatron_vshape.schedules.lowering.exchange import forward_only_plan as _forward_only_plan
+from megatron_vshape.schedules.lowering.messages import DevicePlan, lower
+from megatron_vshape.schedules.lowering.validator import validate
 
 from .iteration import Iteration
 from .p2p import PairGroups, local_device

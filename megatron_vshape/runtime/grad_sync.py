@@ -30,7 +30,8 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from megatron_vshape.schedules import DevicePlan, Kind
+from megatron_vshape.schedules.core.actions import Kind
+from megatron_vshape.schedules.lowering.messages import DevicePlan
 
 
 @dataclass

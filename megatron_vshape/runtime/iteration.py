@@ -14,17 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_vshape.schedules import (
-    Action,
-    DevicePlan,
-    Kind,
-    Message,
-    Payload,
-    PlacementKind,
-    Schedule,
-    Step,
-)
-from megatron_vshape.schedules.exchange import forward_only_plan as _forward_only_plan
+from megatron_vshape.schedules.core.actions import Action, Kind
+from megatron_vshape.schedules.core.schedule import PlacementKind, Schedule
+from megatron_vshape.schedules.lowering.exchange import forward_only_plan as _forward_only_plan
+from megatron_vshape.schedules.lowering.messages import DevicePlan, Message, Payload, Step
 
 from . import compat, te_wgrad
 from .active_stage import running_stage

@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-from megatron_vshape.schedules import Placement, PlacementKind
+from megatron_vshape.schedules.core.schedule import Placement, PlacementKind
 
 
 def layout_stages(counts) -> list[list[str]]:

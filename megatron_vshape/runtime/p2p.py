@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_vshape.schedules import Message, Payload
-from megatron_vshape.schedules.exchange import Op, OpKind, pipeline_pairs, warmup_program
+from megatron_vshape.schedules.lowering.exchange import Op, OpKind, pipeline_pairs, warmup_program
+from megatron_vshape.schedules.lowering.messages import Message, Payload
 
 from .timeline import Category, Timeline
 

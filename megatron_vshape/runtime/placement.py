@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_vshape.schedules import Placement, PlacementKind
+from megatron_vshape.schedules.core.schedule import Placement, PlacementKind
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_vshape.schedules import Costs, Kind, Schedule, StageWork, simulate
+from megatron_vshape.schedules.core.actions import Kind
+from megatron_vshape.schedules.core.schedule import Costs, Schedule, StageWork
+from megatron_vshape.schedules.core.simulator import simulate
 
 
 @dataclass(frozen=True)

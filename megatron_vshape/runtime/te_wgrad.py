@@ -143,7 +143,7 @@ def te_deferred_backwards(plan, models) -> set:
     """
     if not any(deferring_te_modules(model) for model in models):
         return set()
-    from megatron_vshape.schedules import Kind
+    from megatron_vshape.schedules.core.actions import Kind
 
     return {step.action for step in plan.steps if step.action.kind is Kind.B}
 

@@ -31,8 +31,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_vshape.schedules import DevicePlan
-from megatron_vshape.schedules.drive import drive
+from megatron_vshape.schedules.lowering.drive import drive
+from megatron_vshape.schedules.lowering.messages import DevicePlan
 
 
 class Category(enum.Enum):

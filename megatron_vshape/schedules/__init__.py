@@ -1,26 +1,15 @@
-"""Pure-Python pipeline schedules: no torch import anywhere in this package."""
+"""Pure-Python pipeline schedules: no torch import anywhere in this package.
 
-from .actions import Action, Kind, parse_action
-from .blocks import BuildingBlock, fill_w, schedule_from_block
-from .comm import DevicePlan, Message, Payload, Step, lower
-from .registry import SCHEDULES, ScheduleSpec, fuses_backward, get_schedule, get_spec, schedule_names
-from .schedule import (
-    Costs,
-    MemoryModel,
-    Placement,
-    PlacementKind,
-    Schedule,
-    ScheduleError,
-    StageWork,
-    parse_stage_work,
-)
-from .simulator import DeadlockError, SimulationResult, simulate
-from .validator import InvalidSchedule, validate
+Subpackages, by meaning (each imports only those below it; ``tests/test_import_layers.py`` checks it):
 
-__all__ = [
-    "Action", "BuildingBlock", "Costs", "DeadlockError", "DevicePlan", "InvalidSchedule", "Kind",
-    "MemoryModel", "Message", "Payload", "Placement", "PlacementKind", "SCHEDULES", "Schedule",
-    "ScheduleError", "ScheduleSpec", "SimulationResult", "StageWork", "Step", "fill_w", "fuses_backward",
-    "get_schedule", "get_spec", "lower",
-    "parse_action", "parse_stage_work", "schedule_from_block", "schedule_names", "simulate", "validate",
-]
+- ``core``: actions, schedules and their costs and memory model, dependencies, timing, the simulator;
+- ``lowering``: a schedule turned into each rank's program (``program``), its p2p messages and the
+  exchange of collective calls, the NCCL model, the validator;
+- ``generators``: the schedule families (baselines, zero bubble, V shapes, building blocks, v-auto)
+  and the registry that names them;
+- ``export``: text, pictures, Chrome traces, PyTorch's CSV;
+- ``exact``: the exact optimum by constraint programming (an oracle for the generators).
+
+Import from the module that defines a name (``schedules.core.schedule.Costs``): importing this
+package loads nothing else, so the core does not pay for every generator.
+"""

@@ -167,7 +167,7 @@ def _device():
 
 def uses_split_spec(spec: RunSpec) -> bool:
     """Whether the run's models are built for split schedules (matters for ``--spec te`` only)."""
-    from megatron_vshape.schedules import fuses_backward
+    from megatron_vshape.schedules.generators.registry import fuses_backward
 
     splits = {not fuses_backward(name) for name in spec.schedules}
     if len(splits) > 1 and spec.model.spec == "te":
@@ -189,7 +189,9 @@ def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refere
 
     from megatron_vshape.megatron.layout import layout_costs
     from megatron_vshape.runtime import ActivationMeter, build_forward_backward_func
-    from megatron_vshape.schedules import SCHEDULES, Costs, simulate
+    from megatron_vshape.schedules.core.schedule import Costs
+    from megatron_vshape.schedules.core.simulator import simulate
+    from megatron_vshape.schedules.generators.registry import SCHEDULES
 
     limit = spec.memory_limit if getattr(SCHEDULES[name], "takes_memory_limit", False) else None
     counts = spec.layout_for(SCHEDULES[name].num_stages(spec.pp))
@@ -239,7 +241,7 @@ def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refere
 def split_b_passes(program) -> int:
     """B passes of a device program whose W does not come right after (the executor runs a B that
     its W follows directly as one fused backward): each of these must defer weight gradients."""
-    from megatron_vshape.schedules import Action, Kind
+    from megatron_vshape.schedules.core.actions import Action, Kind
 
     actions = list(program)
     return sum(1 for i, a in enumerate(actions) if a.kind is Kind.B

@@ -21,7 +21,9 @@ from megatron_vshape.planner.memory import (
     static_bytes,
 )
 from megatron_vshape.planner.predict import chunk_costs, num_stages, split_name
-from megatron_vshape.schedules import ScheduleError, get_schedule, simulate
+from megatron_vshape.schedules.core.schedule import ScheduleError
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
 
 GPU = get_gpu("a100")  # the paper's cluster: A100 SXM 80 GB
 GIB = 1024**3

@@ -26,8 +26,9 @@ patch_python_compat()
 from megatron.training import arguments as megatron_arguments  # noqa: E402
 from megatron.training.arguments import add_megatron_arguments, validate_args  # noqa: E402
 
-from megatron_vshape import schedules  # noqa: E402
 from megatron_vshape.megatron.arguments import add_arguments, validate  # noqa: E402
+from megatron_vshape.schedules.generators import registry  # noqa: E402
+from megatron_vshape.schedules.lowering import validator  # noqa: E402
 
 # What the image provides that validate() looks up (docker/check_kernels.py requires both).
 IMAGE_DISTRIBUTIONS = {"transformer-engine": "2.10.0", "transformer_engine": "2.10.0"}
@@ -82,7 +83,7 @@ def build_each_schedule_once():
     (schedule, PP, microbatches, costs, limit): our validate() builds and validates that schedule once,
     not once per line (275 lines, 176 distinct schedules, most at full size)."""
     built, validated = {}, set()
-    real_get, real_validate = schedules.get_schedule, schedules.validate
+    real_get, real_validate = registry.get_schedule, validator.validate
 
     def get_schedule(name, *args, **kwargs):
         key = (name, args and repr(args), repr(sorted(kwargs.items())))
@@ -95,7 +96,7 @@ def build_each_schedule_once():
             real_validate(schedule, *args, **kwargs)
             validated.add(id(schedule))
 
-    schedules.get_schedule, schedules.validate = get_schedule, validate
+    registry.get_schedule, validator.validate = get_schedule, validate
 
 
 def main():

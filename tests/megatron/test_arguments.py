@@ -234,12 +234,12 @@ def test_watchdog_defaults_by_device_and_turns_off_with_zero():
 
 
 def test_schedule_is_built_at_start_up_only_for_an_otherwise_valid_combination(monkeypatch):
-    from megatron_vshape import schedules
     from megatron_vshape.megatron import run_schedule
+    from megatron_vshape.schedules.generators import registry
 
     run_schedule.clear()
-    built, real = [], schedules.get_schedule
-    monkeypatch.setattr(schedules, "get_schedule", lambda *a, **kw: built.append(a[:3]) or real(*a, **kw))
+    built, real = [], registry.get_schedule
+    monkeypatch.setattr(registry, "get_schedule", lambda *a, **kw: built.append(a[:3]) or real(*a, **kw))
     assert len(problems(megatron_like(num_layers=12))) == 1 and built == []  # other problem: no build
     assert problems(megatron_like()) == [] and built == [("v-half", 4, 8)]
     problems(megatron_like(pipeline_schedule="1f1b"))  # Megatron's own function: nothing of ours to build
@@ -247,7 +247,7 @@ def test_schedule_is_built_at_start_up_only_for_an_otherwise_valid_combination(m
 
 
 def test_large_start_up_build_prints_progress_on_rank_0(monkeypatch, capsys):
-    from megatron_vshape.schedules import inputs
+    from megatron_vshape.schedules.core import inputs
 
     monkeypatch.setattr(inputs, "LARGE_PASSES", 10)
     monkeypatch.setenv("RANK", "0")
@@ -263,16 +263,17 @@ def test_start_up_builds_the_run_schedule_once_from_the_runs_costs(monkeypatch):
     """The start-up checks (does it build; does it keep W in B's order for TE's deferral) judge the schedule
     the executor will run, built from --pipeline-costs, and build it once: at large sizes a build takes
     seconds (it was built twice, the W-order check from default costs)."""
-    from megatron_vshape import schedules
     from megatron_vshape.megatron import run_schedule
     from megatron_vshape.megatron.feature_checks import TE_SPLIT_SPEC_ARG
+    from megatron_vshape.schedules.core.schedule import Costs
+    from megatron_vshape.schedules.generators import registry
 
     run_schedule.clear()
-    built, real = [], schedules.get_schedule
-    monkeypatch.setattr(schedules, "get_schedule",
+    built, real = [], registry.get_schedule
+    monkeypatch.setattr(registry, "get_schedule",
                         lambda *a, **kw: built.append((a[:3], a[3] if len(a) > 3 else kw.get("costs"))) or real(*a, **kw))
     args = megatron_like(cpu=False, distributed_backend=None, transformer_impl="transformer_engine", spec=None,
                          pipeline_costs="f=1,b=1.2,w=0.8,comm=0.1", vshape_te_version=(2, 8, 0))
     validate(args)
     assert args.spec == TE_SPLIT_SPEC_ARG  # the route that asked for the W order
-    assert built == [(("v-half", 4, 8), schedules.Costs(f=1, b=1.2, w=0.8, comm=0.1))]
+    assert built == [(("v-half", 4, 8), Costs(f=1, b=1.2, w=0.8, comm=0.1))]

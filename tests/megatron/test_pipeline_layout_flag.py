@@ -9,7 +9,9 @@ from megatron_vshape.megatron.arguments import ConfigError, add_arguments, valid
 from megatron_vshape.megatron.checks import problems
 from megatron_vshape.planner.balance import choose_layout
 from megatron_vshape.planner.model import GPTModel
-from megatron_vshape.schedules import Costs, get_schedule, simulate
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
 
 
 def training_args(*argv: str, **overrides) -> argparse.Namespace:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from glue_support import LOSS, ROOT, launch_ranks, torchrun
 
-from megatron_vshape.schedules import schedule_names
+from megatron_vshape.schedules.generators.registry import schedule_names
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 from glue_support import ROOT, cpu_env
 
-from megatron_vshape.schedules import registry
+from megatron_vshape.schedules.generators import registry
 
 SLURM = ROOT / "scripts" / "slurm"
 NO_FIT_EXIT = 3  # a script none of whose grid points fits exits with this code

@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 
 from megatron_vshape.megatron.model_chunks import v_stage_predicates
 from megatron_vshape.runtime.active_stage import active_stage, running_stage
-from megatron_vshape.schedules import Placement
+from megatron_vshape.schedules.core.schedule import Placement
 
 
 @pytest.fixture

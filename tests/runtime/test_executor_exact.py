@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_vshape.runtime import ScheduleExecutor
-from megatron_vshape.schedules import DevicePlan, schedule_names
+from megatron_vshape.schedules.generators.registry import schedule_names
+from megatron_vshape.schedules.lowering.messages import DevicePlan
 from megatron_vshape.testing import RunSpec, run_check
 from megatron_vshape.testing.recipe_workers import RecipeSpec, run_recipe_check
 

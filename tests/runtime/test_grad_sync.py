@@ -13,7 +13,7 @@ import torch
 
 from megatron_vshape.runtime.grad_sync import BucketLauncher
 from megatron_vshape.runtime.wgrad import WeightGradStore
-from megatron_vshape.schedules import Action, Kind
+from megatron_vshape.schedules.core.actions import Action, Kind
 
 
 class _Group:

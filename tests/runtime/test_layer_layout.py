@@ -16,7 +16,7 @@ from megatron_vshape.runtime.layer_layout import (
     megatron_layout,
     stage_layer_counts,
 )
-from megatron_vshape.schedules import Placement
+from megatron_vshape.schedules.core.schedule import Placement
 
 V_COUNTS = (1, 2, 2, 2, 2, 2, 2, 1)  # d = 4, 14 layers
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from core_versions import installed_minor
 
-from megatron_vshape.schedules import schedule_names
+from megatron_vshape.schedules.generators.registry import schedule_names
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 

@@ -46,8 +46,9 @@ def _exchange_worker(rank, world_size, cases):
     import torch.distributed as dist
 
     from megatron_vshape.runtime.p2p import PairGroups
-    from megatron_vshape.schedules import get_schedule, lower
-    from megatron_vshape.schedules.exchange import exchange_programs, forward_only_plan
+    from megatron_vshape.schedules.generators.registry import get_schedule
+    from megatron_vshape.schedules.lowering.exchange import exchange_programs, forward_only_plan
+    from megatron_vshape.schedules.lowering.messages import lower
 
     counts = {}
     for name, pp, microbatches in cases:
@@ -66,8 +67,9 @@ def _exchange_worker(rank, world_size, cases):
 @pytest.mark.timeout(240)
 def test_programs_deliver_every_message_to_its_receive_on_gloo():
     cases = [("v-half", 4, 8), ("interleaved-1f1b", 4, 8), ("zb-2p", 4, 5), ("v-zb", 2, 4), ("1f1b", 2, 3)]
-    from megatron_vshape.schedules import get_schedule, lower
-    from megatron_vshape.schedules.exchange import forward_only_plan
+    from megatron_vshape.schedules.generators.registry import get_schedule
+    from megatron_vshape.schedules.lowering.exchange import forward_only_plan
+    from megatron_vshape.schedules.lowering.messages import lower
 
     results = spawn(_exchange_worker, 4, (cases,), timeout=200)
     for name, pp, m in cases:
@@ -87,8 +89,8 @@ def _swap_worker(rank, world_size):
     import torch.distributed as dist
 
     from megatron_vshape.runtime.p2p import PairGroups, PlanExchange
-    from megatron_vshape.schedules import Message, Payload
-    from megatron_vshape.schedules.exchange import Comm, Op, OpKind, Transfer
+    from megatron_vshape.schedules.lowering.exchange import Comm, Op, OpKind, Transfer
+    from megatron_vshape.schedules.lowering.messages import Message, Payload
 
     groups = PairGroups.create(dist.group.WORLD)
     act = Message(Payload.ACTIVATION, 0, 0, 0, 1)
@@ -112,7 +114,7 @@ def _swap_worker(rank, world_size):
 @pytest.mark.timeout(120)
 def test_a_program_with_swapped_receives_swaps_tensors():
     """What the NCCL model reports as a mismatch is a real, silent swap: NCCL and gloo match by position."""
-    from megatron_vshape.schedules import Message, Payload
+    from megatron_vshape.schedules.lowering.messages import Message, Payload
 
     results = spawn(_swap_worker, 2, timeout=100)
     grad = Message(Payload.GRADIENT, 3, 0, 0, 1)

@@ -15,9 +15,9 @@ import functools
 
 import pytest
 
-from megatron_vshape.schedules import SCHEDULES, Costs, DevicePlan, get_schedule, lower, schedule_names
-from megatron_vshape.schedules.comm import CommError
-from megatron_vshape.schedules.exchange import (
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule, schedule_names
+from megatron_vshape.schedules.lowering.exchange import (
     Comm,
     Op,
     OpKind,
@@ -27,7 +27,8 @@ from megatron_vshape.schedules.exchange import (
     pipeline_pairs,
     warmup_program,
 )
-from megatron_vshape.schedules.nccl_model import NcclDeadlock, NcclMismatch, check_exchange, run_nccl_model
+from megatron_vshape.schedules.lowering.messages import CommError, DevicePlan, lower
+from megatron_vshape.schedules.lowering.nccl_model import NcclDeadlock, NcclMismatch, check_exchange, run_nccl_model
 
 QUEUE_SETTINGS = pytest.mark.parametrize("single_queue", [True, False], ids=["max-connections-1", "streams"])
 

@@ -21,9 +21,11 @@ import pytest
 import torch
 
 from megatron_vshape.runtime import p2p
-from megatron_vshape.schedules import Costs, get_schedule, lower
-from megatron_vshape.schedules.exchange import Comm, Op, OpKind, Transfer, exchange_programs, pipeline_pairs
-from megatron_vshape.schedules.nccl_model import NcclDeadlock, run_nccl_model
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.lowering.exchange import Comm, Op, OpKind, Transfer, exchange_programs, pipeline_pairs
+from megatron_vshape.schedules.lowering.messages import lower
+from megatron_vshape.schedules.lowering.nccl_model import NcclDeadlock, run_nccl_model
 
 
 @dataclasses.dataclass(frozen=True)

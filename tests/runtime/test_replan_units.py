@@ -16,7 +16,10 @@ from megatron_vshape.runtime.replan import (
     with_measured_stages,
 )
 from megatron_vshape.runtime.timeline import simulated_idle
-from megatron_vshape.schedules import Costs, Kind, StageWork, get_schedule, simulate
+from megatron_vshape.schedules.core.actions import Kind
+from megatron_vshape.schedules.core.schedule import Costs, StageWork
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
 
 
 def test_profile_skips_one_warm_up_then_measures_then_is_due_once():

@@ -15,8 +15,11 @@ from spawn_targets import die_without_reporting, raise_value_error, sleep_foreve
 from megatron_vshape.runtime import build_forward_backward_func
 from megatron_vshape.runtime.iteration import _deferred_backwards
 from megatron_vshape.runtime.placement import chunk_specs
-from megatron_vshape.schedules import Action, Kind, Payload, Placement, ScheduleError, get_schedule, lower
-from megatron_vshape.schedules.exchange import forward_only_plan as _forward_only_plan
+from megatron_vshape.schedules.core.actions import Action, Kind
+from megatron_vshape.schedules.core.schedule import Placement, ScheduleError
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.lowering.exchange import forward_only_plan as _forward_only_plan
+from megatron_vshape.schedules.lowering.messages import Payload, lower
 from megatron_vshape.testing import SpawnError, spawn
 
 ROOT = Path(__file__).resolve().parents[2]

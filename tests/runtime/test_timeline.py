@@ -19,7 +19,10 @@ from megatron_vshape.runtime.timeline import (
     replay_idle,
     summarize,
 )
-from megatron_vshape.schedules import Costs, get_schedule, lower, simulate
+from megatron_vshape.schedules.core.schedule import Costs
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
+from megatron_vshape.schedules.lowering.messages import lower
 
 
 @pytest.mark.parametrize("name", ["v-zb", "v-half", "zb-h1"])

@@ -47,7 +47,7 @@ def test_bf16_at_pp1_matches_a_bf16_reference_with_fp32_gradient_sums():
 
 
 def test_split_b_passes_counts_the_bs_whose_w_does_not_follow():
-    from megatron_vshape.schedules import get_schedule
+    from megatron_vshape.schedules.generators.registry import get_schedule
 
     assert split_b_passes(get_schedule("zb-1p", 1, 4).programs[0]) == 0  # B W B W ...: fused by the executor
     assert split_b_passes(get_schedule("v-zb", 1, 4).programs[0]) > 0

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..inputs import EPS
-from ..registry import get_schedule
-from ..schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
-from ..simulator import SimulationResult, simulate
-from ..validator import keeps_w_order, validate
+from ..core.inputs import EPS
+from ..core.schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
+from ..core.simulator import SimulationResult, simulate
+from ..generators.registry import get_schedule
+from ..lowering.validator import keeps_w_order, validate
 from . import cpsat
 from .problem import ExactProblem, build_problem, makespan_of, peak_of, schedule_from_starts, starts_of
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from ..schedule import Costs, StageWork, one_f_one_b_peak
-from ..simulator import SimulationResult
+from ..core.schedule import Costs, StageWork, one_f_one_b_peak
+from ..core.simulator import SimulationResult
 
 __all__ = ["COST_SETTINGS", "HEURISTICS", "TOLERANCE", "heuristic_limit", "random_stage_costs"]
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..actions import Action, Kind
-from ..dependencies import dependencies
-from ..inputs import EPS
-from ..ledger import pass_deltas
-from ..schedule import Costs, MemoryModel, Placement, PlacementKind, Schedule, ScheduleError, one_f_one_b_peak
-from ..timing import KIND_INDEX, KINDS, run_programs
+from ..core.actions import Action, Kind
+from ..core.dependencies import dependencies
+from ..core.inputs import EPS
+from ..core.ledger import pass_deltas
+from ..core.schedule import Costs, MemoryModel, Placement, PlacementKind, Schedule, ScheduleError, one_f_one_b_peak
+from ..core.timing import KIND_INDEX, KINDS, run_programs
 
 __all__ = ["ExactProblem", "build_problem", "makespan_of", "peak_of", "schedule_from_starts", "starts_of"]
 

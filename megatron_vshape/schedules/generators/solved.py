@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..schedule import Costs, Placement, PlacementKind, Schedule, StageWork
+from ..core.schedule import Costs, Placement, PlacementKind, Schedule, StageWork
 
 __all__ = ["CACHE_PATH", "SolvedCell", "solved_cells", "solved_for"]
 

@@ -19,13 +19,13 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .actions import Action, Kind
-from .dependencies import dependencies
-from .inputs import EPS as _EPS
-from .ledger import MemoryLedger
-from .ready import ready_rule
-from .schedule import Costs, MemoryModel, Placement, Schedule, ScheduleError
-from .timing import UNSET, PassIds
+from ..core.actions import Action, Kind
+from ..core.dependencies import dependencies
+from ..core.inputs import EPS as _EPS
+from ..core.ledger import MemoryLedger
+from ..core.ready import ready_rule
+from ..core.schedule import Costs, MemoryModel, Placement, Schedule, ScheduleError
+from ..core.timing import UNSET, PassIds
 
 
 class Admission(enum.Enum):

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..core.actions import Kind
+from ..core.schedule import Costs, MemoryModel, Placement, Schedule, ScheduleError, one_f_one_b_peak
+from ..core.simulator import simulate
 from . import v_zb_builder, zb_builder
-from .actions import Kind
 from .greedy import Admission, GreedyConfig, greedy_schedule
-from .schedule import Costs, MemoryModel, Placement, Schedule, ScheduleError, one_f_one_b_peak
-from .simulator import simulate
 
 _KIND_RANK_B_FIRST = {Kind.B: 0, Kind.F: 1, Kind.W: 2}
 _KIND_RANK_F_FIRST = {Kind.F: 0, Kind.B: 1, Kind.W: 2}

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .actions import Action, Kind
-from .inputs import EPS
-from .ledger import MemoryLedger
-from .ready import UNSET, ready_rule
-from .schedule import Costs, MemoryModel, Placement, Schedule
+from ..core.actions import Action, Kind
+from ..core.inputs import EPS
+from ..core.ledger import MemoryLedger
+from ..core.ready import UNSET, ready_rule
+from ..core.schedule import Costs, MemoryModel, Placement, Schedule
 
 _F, _B, _W = 0, 1, 2
 _KIND = (Kind.F, Kind.B, Kind.W)

@@ -6,8 +6,8 @@ backward), so they behave exactly like the originals.
 
 from __future__ import annotations
 
-from .actions import Action, Kind
-from .schedule import Placement, Schedule, ScheduleError
+from ..core.actions import Action, Kind
+from ..core.schedule import Placement, Schedule, ScheduleError
 
 
 def _backward(stage: int, microbatch: int) -> list[Action]:

@@ -25,14 +25,11 @@ from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain, repeat
-from typing import TYPE_CHECKING
 
-from .actions import Action, Kind
-from .schedule import MemoryModel, Schedule
+from ..core.actions import Action, Kind
+from ..core.schedule import MemoryModel, Schedule
+from .block import BuildingBlock
 from .slot_memory import LazyMemory, SlotDeltas, explicit_levels, slot_deltas
-
-if TYPE_CHECKING:  # blocks imports this module
-    from .blocks import BuildingBlock
 
 # Action from a (kind, stage, microbatch) tuple without NamedTuple's Python-level __new__.
 _new_action = partial(tuple.__new__, Action)

@@ -30,9 +30,9 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .comm import CommError, DevicePlan
+from ..core.schedule import Costs
 from .exchange import Comm, Op, OpKind, Transfer, exchange_programs, forward_only_plan, warmup_program
-from .schedule import Costs
+from .messages import CommError, DevicePlan
 
 COMPUTE_QUEUE = "compute"
 
@@ -235,8 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import time
 
-    from .comm import lower
-    from .registry import SCHEDULES, get_schedule
+    from ..generators.registry import SCHEDULES, get_schedule
+    from .messages import lower
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-pp", type=int, default=16, help="largest pipeline size (default 16)")

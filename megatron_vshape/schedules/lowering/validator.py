@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .actions import Kind
-from .comm import check_plan, lower
-from .dependencies import all_actions, dependencies
-from .gc_pause import without_gc
-from .schedule import Schedule, ScheduleError
+from ..core.actions import Kind
+from ..core.dependencies import all_actions, dependencies
+from ..core.gc_pause import without_gc
+from ..core.schedule import Schedule, ScheduleError
+from .messages import check_plan, lower
 
 
 class InvalidSchedule(ScheduleError):

@@ -12,10 +12,11 @@ import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .actions import Kind
-from .blocks import BuildingBlock, schedule_from_block
-from .inputs import EPS as _EPS
-from .schedule import Costs, Schedule
+from ..core.actions import Kind
+from ..core.inputs import EPS as _EPS
+from ..core.schedule import Costs, Schedule
+from .block import BuildingBlock
+from .block_schedule import schedule_from_block
 from .v_schedules import V_INTERVAL, v_block, v_half_block, v_min_block
 
 NAME = "v-auto"

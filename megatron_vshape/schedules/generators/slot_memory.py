@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .actions import Action, Kind
-from .ledger import MemoryLedger
-from .schedule import Costs, MemoryModel, Placement
+from ..core.actions import Action, Kind
+from ..core.ledger import MemoryLedger
+from ..core.schedule import Costs, MemoryModel, Placement
 
 
 class SlotDeltas(NamedTuple):

@@ -14,7 +14,7 @@ Pure Python; no torch import.
 
 from __future__ import annotations
 
-from .inputs import InputError
+from .schedules.core.inputs import InputError
 
 FLAG = "--pipeline-layout"
 BALANCED = "balanced"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .actions import Kind
-from .simulator import SimulationResult
+from ..core.actions import Kind
+from ..core.simulator import SimulationResult
 
 # (light, dark) per kind: the light shade is chunk 0, the dark one the last chunk.
 _PALETTE = {

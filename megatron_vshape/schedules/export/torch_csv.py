@@ -42,9 +42,9 @@ import csv
 import io
 import re
 
-from . import inputs
-from .actions import Action, Kind
-from .schedule import Placement, Schedule, ScheduleError
+from ..core import inputs
+from ..core.actions import Action, Kind
+from ..core.schedule import Placement, Schedule, ScheduleError
 
 _CELL_RE = re.compile(r"^(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
 _OVERLAP_RE = re.compile(r"^\((.*)\)(\w+)$")

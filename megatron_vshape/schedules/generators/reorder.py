@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import heapq
 
-from .actions import Action
-from .inputs import EPS as _EPS
-from .ledger import MemoryLedger
-from .ready import ready_rule
-from .schedule import Costs, MemoryModel, Schedule
-from .timing import UNSET, PassIds
+from ..core.actions import Action
+from ..core.inputs import EPS as _EPS
+from ..core.ledger import MemoryLedger
+from ..core.ready import ready_rule
+from ..core.schedule import Costs, MemoryModel, Schedule
+from ..core.timing import UNSET, PassIds
 
 
 def fill_idle(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from .simulator import SimulationResult
+from ..core.simulator import SimulationResult
 
 
 def chrome_trace(result: SimulationResult, us_per_unit: float = 1000.0, memory: bool = True) -> dict:

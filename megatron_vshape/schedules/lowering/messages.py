@@ -21,10 +21,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .actions import Action, Kind
-from .dependencies import dependencies
+from ..core.actions import Action, Kind
+from ..core.dependencies import dependencies
+from ..core.schedule import Schedule, ScheduleError
 from .drive import drive
-from .schedule import Schedule, ScheduleError
 
 
 class Payload(enum.Enum):

@@ -48,10 +48,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .actions import Kind
-from .comm import CommError, DevicePlan, Message, Payload
+from ..core.actions import Kind
+from ..core.schedule import Costs
 from .drive import drive
-from .schedule import Costs
+from .messages import CommError, DevicePlan, Message, Payload
 
 PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
 # A send-only batch is waited for this many passes per pipeline rank after it (about a pipeline's

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
+from ..core.gc_pause import without_gc
+from ..core.schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
 from . import adaptive, baselines, v_schedules, zero_bubble
-from .gc_pause import without_gc
-from .schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
 
 # Largest microbatch count searched for one that passes a check (inputs.MAX caps the CLI at 65536).
 _MICROBATCH_SEARCH = 1 << 16

@@ -25,10 +25,10 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import repeat
 
-from .actions import Action, Kind
-from .ledger import MemoryLedger
-from .ready import UNSET, ready_rule
-from .schedule import Costs, MemoryModel, Placement, Schedule, one_f_one_b_peak
+from ..core.actions import Action, Kind
+from ..core.ledger import MemoryLedger
+from ..core.ready import UNSET, ready_rule
+from ..core.schedule import Costs, MemoryModel, Placement, Schedule, one_f_one_b_peak
 
 F_LOW, F_HIGH, B_HIGH, B_LOW, W_HIGH, W_LOW = range(6)
 _KIND = (Kind.F, Kind.F, Kind.B, Kind.B, Kind.W, Kind.W)

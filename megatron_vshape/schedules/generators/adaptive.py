@@ -38,14 +38,14 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .actions import Kind
+from ..core.actions import Kind
 from .adaptive_blocks import NAME, BlockCandidate, GapPattern, _named_blocks, candidate_blocks
 
 __all__ = ["DEFAULT_LIMIT", "NAME", "BlockCandidate", "Evaluated", "GapPattern", "GreedyCandidate", "candidate_blocks",
            "choose", "evaluate_candidates", "greedy_caps", "lowest_reachable_limit", "v_auto"]
-from .inputs import EPS as _EPS
-from .schedule import Costs, Placement, Schedule, ScheduleError, one_f_one_b_peak
-from .simulator import simulate
+from ..core.inputs import EPS as _EPS
+from ..core.schedule import Costs, Placement, Schedule, ScheduleError, one_f_one_b_peak
+from ..core.simulator import simulate
 from .zero_bubble import GreedyFamily, best_greedy, v_zb
 
 DEFAULT_LIMIT = 1.0  # x 1F1B's peak, when no --memory-limit is given
@@ -281,7 +281,7 @@ def _solved_better(num_devices: int, num_microbatches: int, costs: Costs, memory
                    bubble: float):
     """The cached exact schedule (``exact.solved``) with the lowest bubble that fits the limit, when
     it beats ``bubble`` (the candidates' best); else None. Small cells only: see that module."""
-    from .exact.solved import solved_for  # the exact package imports the registry, which imports us
+    from .solved import solved_for  # the exact package imports the registry, which imports us
 
     budget = memory_limit * one_f_one_b_peak(num_devices, costs) + _EPS
     best = None

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .actions import Kind
-from .blocks import BuildingBlock, fill_w, schedule_from_block
-from .inputs import EPS
-from .schedule import Costs, Placement, Schedule, ScheduleError
-from .simulator import simulate
+from ..core.actions import Kind
+from ..core.inputs import EPS
+from ..core.schedule import Costs, Placement, Schedule, ScheduleError
+from ..core.simulator import simulate
+from .block import BuildingBlock, fill_w
+from .block_schedule import schedule_from_block
 
 V_INTERVAL = 6  # two chunks x (F, B, W) of one slot each
 
@@ -89,7 +90,7 @@ def _greedy_alternative(own: Schedule, num_devices: int, num_microbatches: int, 
 
 def _solved_alternatives(num_devices: int, num_microbatches: int, costs: Costs) -> list:
     """The exact solver's cached schedules of this cell (exact.solved; small cells, exact costs only)."""
-    from .exact.solved import solved_for  # exact imports the registry, which imports this module
+    from .solved import solved_for  # exact imports the registry, which imports this module
 
     return [("solved (cached)", cell.schedule) for cell in solved_for(num_devices, num_microbatches, costs)]
 

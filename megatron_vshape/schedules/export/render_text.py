@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .simulator import SimulationResult
+from ..core.simulator import SimulationResult
 
 
 def text_grid(result: SimulationResult, quantum: float | None = None, width: int = 4) -> str:

@@ -1,0 +1,1 @@
+"""The schedule families and the registry that names them (``registry.get_schedule``)."""

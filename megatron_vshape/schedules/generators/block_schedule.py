@@ -1,0 +1,80 @@
+"""From a building block to a schedule: repeat -> reorder the warm-up/cool-down -> squeeze.
+
+The block (``block.BuildingBlock``) is repeated every interval; the warm-up and cool-down are
+reordered (passes move into earlier idle slots while no device's peak passes the block's largest:
+``slot_reorder``, or real-time idle filling: ``reorder.fill_idle``); the simulator then runs each
+device's order as soon as possible (the squeeze).
+
+Writing a new schedule is a matter of writing offsets; see the README.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..core.inputs import EPS
+from ..core.schedule import Costs, Schedule
+from ..core.simulator import simulate
+from .block import BuildingBlock
+from .reorder import fill_idle
+from .slot_reorder import has_early_cooldown, slot_schedule
+
+# Above this many cells (devices x microbatches) only the slot reorder runs: the real-time
+# reorder replays the whole schedule per look-ahead step and takes minutes at d=64, m=512.
+_COMPARE_CELLS = 2048
+
+
+def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Costs, name: str) -> Schedule:
+    """Repeat, squeeze and reorder.
+
+    Two reorders of the warm-up and cool-down compete: the slot reorder (``slot_reorder``: in
+    slot time, W lazily in idle slots, every device up to the largest peak of the repeated
+    block) and the real-time idle filling (``fill_idle``: W at the block's slots, each device up
+    to its own peak). The lower bubble under ``costs`` wins (then the lower peak). Either way no
+    device exceeds the block's steady peak (``steady_peak``, W at the block's own slots): the slot
+    reorder is dropped when its lazy W would need more. Above ``_COMPARE_CELLS`` only the slot
+    reorder runs (it is the one that wins on long runs: measured d = 2..16, m = d..8d).
+    """
+    costs.check_stages(block.placement.num_stages, name)
+    if not costs.uniform:
+        return _weighted_from_block(block, num_microbatches, costs, name)
+    slotted = slot_schedule(block, num_microbatches, name, max(block.steady_peak()))
+    if slotted is None:  # lazy W needs more memory than the block's own W slots
+        return _idle_filled(block, num_microbatches, costs, name)
+    if block.placement.num_devices * num_microbatches > _COMPARE_CELLS:
+        return slotted
+    candidates = [slotted, _idle_filled(block, num_microbatches, costs, name)]
+    if has_early_cooldown(block, num_microbatches):  # the authors' phases differ from ours there
+        candidates.append(slot_schedule(block, num_microbatches, name, math.inf, early_cooldown=False))
+    results = [simulate(c, costs) for c in candidates]
+    best = min(range(len(candidates)), key=lambda i: (round(results[i].bubble_rate, 9), results[i].peak_memory_max, i))
+    return candidates[best]
+
+
+def _weighted_from_block(block: BuildingBlock, num_microbatches: int, costs: Costs, name: str) -> Schedule:
+    """:func:`schedule_from_block` under per-stage memory: the slot reorder counts chunk
+    activations, so each candidate's simulated (weighted) peak is checked against the block's
+    weighted steady peak, and the plain repeated block stays as the fallback."""
+    bound = max(block.steady_peak(costs)) + EPS
+    candidates = [slot_schedule(block, num_microbatches, name, math.inf)]
+    if block.placement.num_devices * num_microbatches <= _COMPARE_CELLS:
+        candidates.append(_idle_filled(block, num_microbatches, costs, name))
+        if has_early_cooldown(block, num_microbatches):
+            candidates.append(slot_schedule(block, num_microbatches, name, math.inf, early_cooldown=False))
+    candidates.append(block.repeat(num_microbatches, name))
+    results = [simulate(c, costs) for c in candidates]
+    fitting = [i for i, r in enumerate(results) if r.peak_memory_max <= bound] or [len(candidates) - 1]
+    best = min(fitting, key=lambda i: (round(results[i].bubble_rate, 9), results[i].peak_memory_max, i))
+    return candidates[best]
+
+
+def _idle_filled(block: BuildingBlock, num_microbatches: int, costs: Costs, name: str) -> Schedule:
+    """The repeated block with W at its own slots, idle time filled by ``fill_idle`` when that
+    shortens the makespan under ``costs`` without raising any device's own peak."""
+    repeated = block.repeat(num_microbatches, name)
+    squeezed = simulate(repeated, costs)
+    reordered, makespan, reached = fill_idle(
+        repeated, costs, list(squeezed.peak_memory), lookahead=2 * block.placement.num_devices
+    )
+    fits = all(new <= old + EPS for new, old in zip(reached, squeezed.peak_memory))
+    return reordered if fits and makespan < squeezed.makespan - EPS else repeated
