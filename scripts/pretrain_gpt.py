@@ -26,7 +26,7 @@ from functools import partial  # noqa: E402
 
 
 def _is_v(args) -> bool:
-    from megatron_vshape.megatron.arguments import V_SCHEDULE_NAMES
+    from megatron_vshape.megatron.flags import V_SCHEDULE_NAMES
 
     return args.pipeline_schedule in V_SCHEDULE_NAMES
 

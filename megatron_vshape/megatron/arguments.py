@@ -1,8 +1,10 @@
-"""The plugin's command-line flags; :mod:`.checks` holds the checks on how they combine with Megatron's.
+"""The plugin's command-line flags, and ``validate``: the checks of :mod:`.checks`, then the defaults resolved.
 
 Pure argparse: no torch or megatron import, so the checks run (and fail) in milliseconds on every
 rank before anything is initialised. A bad combination raises :class:`ConfigError` whose message is
 one line naming the flag and the fix; entry points turn it into ``exit(2)`` (see :func:`exit_on_error`).
+The names every module here shares (schedule names, :class:`ConfigError`, a flag's effective value) are in
+:mod:`.flags`, below the checks; this module sits above them.
 
 Flags added by :func:`add_arguments`:
 
@@ -28,34 +30,26 @@ import functools
 import sys
 from collections.abc import Callable
 
-from ..schedules.core.schedule import PlacementKind
 from ..schedules.generators.registry import SCHEDULES
-from . import layout
-
-# Schedules that keep Megatron's own forward_backward functions (install() does not replace them).
-MEGATRON_OWN_SCHEDULES = ("1f1b", "interleaved-1f1b")
-# The adaptive V schedule, the one that takes --pipeline-memory-limit.
-AUTO_SCHEDULE = "v-auto"
-SCHEDULE_CHOICES = tuple(SCHEDULES)
-V_SCHEDULE_NAMES = tuple(n for n, s in SCHEDULES.items() if s.placement is PlacementKind.V)
-# Megatron's --spec for split schedules on Transformer Engine (see megatron_vshape.megatron.layer_spec).
-SPLIT_SPEC_ARG = ["megatron_vshape.megatron.layer_spec", "gpt_split_layer_spec"]
-
-# What --cpu always changes: CUDA-only fusions off.
-CPU_OVERRIDES = {
-    "gradient_accumulation_fusion": False,  # the fused wgrad kernel is CUDA-only
-    "no_persist_layer_norm": True,
-    "bias_gelu_fusion": False,
-    "bias_swiglu_fusion": False,
-    "masked_softmax_fusion": False,
-    "bias_dropout_fusion": False,
-    "apply_rope_fusion": False,
-    "cross_entropy_loss_fusion": False,
-}
-
-
-class ConfigError(ValueError):
-    """An invalid flag combination; ``str(err)`` is a single line: ``--flag: problem; fix``."""
+from . import hybrid_layout, layout
+from .checks import problems
+from .feature_checks import SplitRoute, split_route, split_route_reason, uses_split_spec
+from .flags import (
+    CPU_DEFAULTS,
+    CPU_OVERRIDES,
+    MEGATRON_OWN_SCHEDULES,
+    SCHEDULE_CHOICES,
+    SPLIT_SPEC_ARG,
+    TE_SPLIT_SPEC_ARG,
+    V_SCHEDULE_NAMES,
+    ConfigError,
+    DefaultInt,
+    DefaultStr,
+    effective,
+    mark_default,
+    schedule_of,
+    splits_backward,
+)
 
 
 def _schedule_name(text: str) -> str:
@@ -138,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # --cpu can now pick gloo without overriding an explicit --distributed-backend (which it rejects).
     for action in parser._actions:
         if action.dest in CPU_DEFAULTS and action.default is not None:
-            action.default = _mark_default(action.default)
+            action.default = mark_default(action.default)
             if action.type is not None:  # argparse runs string defaults through ``type``: keep the mark
                 action.type = _keep_mark(action.type)
     return parser
@@ -148,55 +142,13 @@ def _keep_mark(convert):
     @functools.wraps(convert)
     def typed(value):
         result = convert(value)
-        return _mark_default(result) if isinstance(value, (DefaultStr, DefaultInt)) else result
+        return mark_default(result) if isinstance(value, (DefaultStr, DefaultInt)) else result
 
     return typed
 
 
-# Flags whose default --cpu changes, unless given: dest -> value under --cpu.
-CPU_DEFAULTS = {
-    "distributed_backend": "gloo",
-    "transformer_impl": "local",
-    "eval_iters": 2,  # a tiny CPU run should not spend most of its time in 2 x 100 evaluation steps
-}
-
-
-class DefaultStr(str):
-    """A string default that was not given on the command line."""
-
-
-class DefaultInt(int):
-    """An int default that was not given on the command line."""
-
-
-def _mark_default(value):
-    if isinstance(value, str):
-        return DefaultStr(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return DefaultInt(value)
-    return value
-
-
-def was_given(args, dest: str) -> bool:
-    """False when ``dest`` still holds the default add_arguments marked."""
-    return not isinstance(getattr(args, dest, None), (DefaultStr, DefaultInt))
-
-
-def effective(args, dest: str):
-    """The value ``dest`` has once resolve_defaults ran (``--cpu`` replaces defaults not given)."""
-    value = getattr(args, dest, None)
-    if getattr(args, "cpu", False) and dest in CPU_DEFAULTS and not was_given(args, dest):
-        return CPU_DEFAULTS[dest]
-    return value
-
-
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Apply --cpu's settings and unmark the defaults add_arguments marked. Idempotent."""
-    # These modules import this one's flags and defaults, so not at the top.
-    from . import hybrid_layout
-    from .feature_checks import TE_SPLIT_SPEC_ARG, SplitRoute, split_route, split_route_reason, uses_split_spec
-    from .sizes import schedule_of, splits_backward
-
     cpu = getattr(args, "cpu", False)
     for dest in CPU_DEFAULTS:
         value = getattr(args, dest, None)
@@ -235,8 +187,6 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     """
     if getattr(args, "_vshape_validated", False):  # idempotent: resolve_defaults sets VPP for V schedules
         return args
-    from .checks import problems
-
     found = problems(args)
     if found:
         raise ConfigError(found[0])

@@ -100,19 +100,21 @@ def check(argv: list[str], te_version: str | None = None, world_size: int | None
     patch_python_compat()
     from megatron.training import arguments as megatron_arguments
 
-    from . import feature_checks
-    from .arguments import ConfigError, add_arguments, validate
+    from .arguments import add_arguments, validate
+    from .feature_checks import split_route_reason
+    from .flags import ConfigError
     from .install import effective_schedule
+    from .sizes import Sizes
 
     version = _te_version(te_version)
     parser = add_arguments(megatron_arguments.add_megatron_arguments(_TrainingParser(allow_abbrev=False)))
     args = parser.parse_args(argv)
     if version is not None:
         args.vshape_te_version = version[0] or None
-    sizes = feature_checks.Sizes.from_args(args)
+    sizes = Sizes.from_args(args)
     args.rank = 0
     args.world_size = world_size or sizes.tp * sizes.pp * sizes.cp
-    route = feature_checks.split_route_reason(args)  # before validate() fills in --spec
+    route = split_route_reason(args)  # before validate() fills in --spec
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             validate(args)

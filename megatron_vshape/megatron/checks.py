@@ -2,11 +2,11 @@
 
 Each check takes the parsed args and the derived :class:`Sizes` and returns one line naming the flag
 and the fix, or None. :func:`problems` runs them in order; ``arguments.validate`` raises the first as
-a :class:`~.arguments.ConfigError` before Megatron's own ``validate_args`` runs.
+a :class:`~.flags.ConfigError` before Megatron's own ``validate_args`` runs.
 
 This module holds the checks on sizes, layouts, schedules and run options, and the order they run in;
 the checks on Megatron features (``--cpu``, B/W split conflicts, Transformer Engine) are in
-``feature_checks``, what every check reads (:class:`Sizes`, the schedule asked for) in ``sizes``.
+``feature_checks``, what every check reads in ``sizes`` and ``flags``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,6 @@ from collections.abc import Iterable
 
 from ..schedules.generators.registry import SCHEDULES
 from . import hybrid_layout, layout
-from .arguments import (
-    AUTO_SCHEDULE,
-    MEGATRON_OWN_SCHEDULES,
-    SCHEDULE_CHOICES,
-    V_SCHEDULE_NAMES,
-    ConfigError,
-)
 from .feature_checks import (
     check_context_parallel,
     check_cpu_backend,
@@ -31,7 +24,19 @@ from .feature_checks import (
     check_split_conflicts,
     check_te_split,
 )
-from .sizes import Check, Sizes, arg_or, schedule_of, splits_backward
+from .flags import (
+    AUTO_SCHEDULE,
+    MEGATRON_OWN_SCHEDULES,
+    SCHEDULE_CHOICES,
+    V_SCHEDULE_NAMES,
+    ConfigError,
+    arg_or,
+    parse_pipeline_costs,
+    schedule_of,
+    splits_backward,
+)
+from .sizes import Check, Sizes
+from .startup_schedule import schedule_for_run
 
 
 def check_known_schedule(args, sizes) -> str | None:
@@ -163,16 +168,6 @@ def check_microbatches(args, sizes) -> str | None:
 
 
 
-def parse_pipeline_costs(text: str):
-    """``Costs`` from ``--pipeline-costs f=..,b=..`` (``auto`` is handled by the caller)."""
-    from ..schedules.core.schedule import Costs
-
-    try:
-        return Costs.parse(text)
-    except ValueError as err:
-        raise ConfigError(f"--pipeline-costs: {str(err).removeprefix('--costs: ')}") from None
-
-
 def check_pipeline_costs(args, sizes) -> str | None:
     spec, name = getattr(args, "pipeline_costs", None), schedule_of(args)
     if getattr(args, "pipeline_costs_out", None) and spec != "auto":
@@ -257,7 +252,6 @@ def check_schedule_builds(args, sizes) -> str | None:
     from ..progress import phase
     from ..schedules.core import inputs
     from ..schedules.lowering.validator import validate
-    from .run_schedule import run_schedule
 
     where = f"--pipeline-schedule {name} at PP={sizes.pp} with {sizes.num_microbatches} microbatches"
     try:
@@ -266,7 +260,7 @@ def check_schedule_builds(args, sizes) -> str | None:
         size.check()
         rank0 = os.environ.get("RANK", "0") == "0"
         with phase(f"checking {where} ({size.passes:,} passes)", size.large and rank0, prefix="megatron-vshape"):
-            validate(run_schedule(args, sizes))
+            validate(schedule_for_run(args, sizes))
     except ValueError as err:  # ScheduleError, InvalidSchedule, InputError
         text = " ".join(str(err).split())
         for cli_flag, training_flag in _TRAINING_FLAG_NAMES:

@@ -12,11 +12,11 @@ import enum
 from collections.abc import Callable
 from importlib import metadata
 
-from .arguments import SPLIT_SPEC_ARG, effective
-from .sizes import Sizes, schedule_of, splits_backward
+from . import hybrid_layout
+from .flags import SPLIT_SPEC_ARG, TE_SPLIT_SPEC_ARG, effective, schedule_of, splits_backward
+from .sizes import Sizes
+from .startup_schedule import schedule_for_run
 
-# Megatron's --spec for split schedules on Transformer Engine >= 2.3 (TE's linears, TE's deferred W).
-TE_SPLIT_SPEC_ARG = ["megatron_vshape.megatron.layer_spec", "gpt_te_split_layer_spec"]
 TE_DEFERRAL_MIN_VERSION = (2, 3)
 
 
@@ -127,15 +127,14 @@ def te_version_of(args) -> tuple[int, ...] | None:
 
 def _keeps_w_order(args) -> bool:
     """Whether the schedule this run trains with (its costs, its layout) runs W in B's order on every
-    stage: TE's FIFO needs it. Built once and shared with the check that it builds (run_schedule)."""
+    stage: TE's FIFO needs it. Built once and shared with the check that it builds (``startup_schedule``)."""
     from ..schedules.lowering.validator import keeps_w_order
-    from .run_schedule import run_schedule
 
     sizes = Sizes.from_args(args)
     if sizes.num_microbatches is None or sizes.pp < 1:
         return True  # other checks refuse these sizes
     try:
-        return keeps_w_order(run_schedule(args, sizes))
+        return keeps_w_order(schedule_for_run(args, sizes))
     except ValueError:  # ScheduleError, ConfigError of a bad layout: other checks refuse them
         return True
 
@@ -145,7 +144,6 @@ def split_route(args, te_version: Callable[[], tuple | None] | None = None) -> S
     if not (splits_backward(schedule_of(args)) and effective(args, "transformer_impl") == "transformer_engine"
             and getattr(args, "spec", None) in (None, SPLIT_SPEC_ARG, TE_SPLIT_SPEC_ARG)):
         return SplitRoute.NONE
-    from . import hybrid_layout
 
     if hybrid_layout.is_hybrid(args):  # HybridModel's split spec has megatron's linears (hybrid_spec)
         return SplitRoute.SPLIT_SPEC

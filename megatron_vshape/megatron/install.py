@@ -35,15 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import hybrid_layout, layout
-from .arguments import (
-    AUTO_SCHEDULE,
-    MEGATRON_OWN_SCHEDULES,
-    V_SCHEDULE_NAMES,
-    add_arguments,
-    exit_on_error,
-    validate,
-)
+from .arguments import add_arguments, exit_on_error, validate
 from .checks import watchdog_seconds
+from .flags import AUTO_SCHEDULE, MEGATRON_OWN_SCHEDULES, V_SCHEDULE_NAMES
 from .model_chunks import v_stage_predicates, wrap_model_construction
 from .patches import Group as PatchGroup
 from .patches import check as check_patches
@@ -157,10 +151,10 @@ def _build_inner(args, name: str):
     from megatron_vshape.runtime import build_forward_backward_func
     from megatron_vshape.runtime.replan import ReplanPolicy
 
-    from .run_schedule import run_costs  # the costs the start-up checks built and validated the schedule from
+    from .startup_schedule import costs_for_run  # the costs the start-up checks built and validated the schedule from
 
     limit = args.pipeline_memory_limit if name == AUTO_SCHEDULE else None
-    costs = run_costs(args)
+    costs = costs_for_run(args)
     spec = getattr(args, "pipeline_costs", None)
     if spec is not None and spec.strip().lower() == "auto":
         output = Path(args.pipeline_costs_out) if args.pipeline_costs_out else None

@@ -31,7 +31,7 @@ import functools
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .arguments import SPLIT_SPEC_ARG
+from .flags import SPLIT_SPEC_ARG
 
 SPEC_ARG = SPLIT_SPEC_ARG  # Megatron's --spec naming this module's gpt_split_layer_spec
 

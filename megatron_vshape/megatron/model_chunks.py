@@ -13,10 +13,7 @@ import contextlib
 import functools
 
 from . import hybrid_layout, layout
-from .arguments import (
-    V_SCHEDULE_NAMES,
-    ConfigError,
-)
+from .flags import V_SCHEDULE_NAMES, ConfigError
 
 
 class ChunkBuilder:

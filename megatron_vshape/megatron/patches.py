@@ -17,7 +17,7 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
-from .arguments import ConfigError
+from .flags import ConfigError
 
 TESTED_VERSIONS = ("0.16.1", "0.19.2")
 

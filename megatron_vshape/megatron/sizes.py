@@ -1,6 +1,6 @@
-"""What every flag check reads: the derived parallel :class:`Sizes` and the requested schedule.
+"""What every flag check reads: the parallel :class:`Sizes` derived from the flags, and a check's signature.
 
-Pure argparse (no torch or megatron): shared by ``checks`` and ``feature_checks``.
+Pure argparse (no torch or megatron): shared by ``checks``, ``feature_checks`` and the run's schedule.
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..schedules.generators.registry import fuses_backward
-from .arguments import MEGATRON_OWN_SCHEDULES
+from .flags import arg_or
 
 
 @dataclass(frozen=True)
@@ -37,23 +36,6 @@ class Sizes:
         return cls(world, tp, pp, cp, dp, m)
 
 
-def arg_or(args: argparse.Namespace, name: str, default):
-    """``args.name``, or ``default`` when it is missing or None (flags Megatron has not parsed yet)."""
-    value = getattr(args, name, None)
-    return default if value is None else value
-
-
 Check = Callable[[argparse.Namespace, Sizes], "str | None"]
 
-
-def schedule_of(args) -> str | None:
-    """The --pipeline-schedule given (None: Megatron's default schedule)."""
-    return getattr(args, "pipeline_schedule", None)
-
-
-def splits_backward(name: str | None) -> bool:
-    """Whether schedule ``name`` runs B and W apart (megatron-vshape's zb-* and v-* schedules)."""
-    if name is None or name in MEGATRON_OWN_SCHEDULES:
-        return False
-    return not fuses_backward(name)
 

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_vshape.megatron import arguments as vargs
 from megatron_vshape.megatron import checks as vchecks
+from megatron_vshape.megatron import flags as vflags
 from megatron_vshape.megatron.arguments import ConfigError, add_arguments, resolve_defaults, validate
 from megatron_vshape.megatron.checks import problems
 
@@ -40,7 +41,7 @@ def test_cpu_rejects_an_explicit_nccl_but_not_megatrons_default():
     parser.add_argument("--distributed-backend", default="nccl", type=str)  # as Megatron's: typed
     add_arguments(parser)
     default = parser.parse_args(["--cpu"])
-    assert default.distributed_backend == "nccl" and not vargs.was_given(default, "distributed_backend")
+    assert default.distributed_backend == "nccl" and not vflags.was_given(default, "distributed_backend")
     assert validate(default).distributed_backend == "gloo"
     assert type(default.distributed_backend) is str
     with pytest.raises(ConfigError, match="--cpu needs the gloo backend"):
@@ -71,7 +72,7 @@ def test_validate_is_idempotent_and_sets_two_v_chunks():
 
 def test_help_names_every_schedule_and_which_keep_megatron_functions():
     text = add_arguments(argparse.ArgumentParser()).format_help()
-    for name in vargs.SCHEDULE_CHOICES:
+    for name in vflags.SCHEDULE_CHOICES:
         assert name in text
     assert "1f1b (one-forward-one-backward (Megatron's default); runs on Megatron's own function)" in " ".join(text.split())
 
@@ -159,7 +160,7 @@ def test_split_schedule_on_te_needs_te_and_refuses_what_megatron_linears_cannot_
 
 
 def test_split_schedule_on_te_gets_the_split_layer_spec_unless_given_one():
-    SPEC_ARG = vargs.SPLIT_SPEC_ARG  # noqa: N806
+    SPEC_ARG = vflags.SPLIT_SPEC_ARG  # noqa: N806
 
     args = vargs.resolve_defaults(megatron_like(cpu=False, distributed_backend=None,
                                                 transformer_impl="transformer_engine", spec=None))
@@ -234,10 +235,10 @@ def test_watchdog_defaults_by_device_and_turns_off_with_zero():
 
 
 def test_schedule_is_built_at_start_up_only_for_an_otherwise_valid_combination(monkeypatch):
-    from megatron_vshape.megatron import run_schedule
+    from megatron_vshape.megatron import startup_schedule
     from megatron_vshape.schedules.generators import registry
 
-    run_schedule.clear()
+    startup_schedule.clear()
     built, real = [], registry.get_schedule
     monkeypatch.setattr(registry, "get_schedule", lambda *a, **kw: built.append(a[:3]) or real(*a, **kw))
     assert len(problems(megatron_like(num_layers=12))) == 1 and built == []  # other problem: no build
@@ -263,12 +264,12 @@ def test_start_up_builds_the_run_schedule_once_from_the_runs_costs(monkeypatch):
     """The start-up checks (does it build; does it keep W in B's order for TE's deferral) judge the schedule
     the executor will run, built from --pipeline-costs, and build it once: at large sizes a build takes
     seconds (it was built twice, the W-order check from default costs)."""
-    from megatron_vshape.megatron import run_schedule
-    from megatron_vshape.megatron.feature_checks import TE_SPLIT_SPEC_ARG
+    from megatron_vshape.megatron import startup_schedule
+    from megatron_vshape.megatron.flags import TE_SPLIT_SPEC_ARG
     from megatron_vshape.schedules.core.schedule import Costs
     from megatron_vshape.schedules.generators import registry
 
-    run_schedule.clear()
+    startup_schedule.clear()
     built, real = [], registry.get_schedule
     monkeypatch.setattr(registry, "get_schedule",
                         lambda *a, **kw: built.append((a[:3], a[3] if len(a) > 3 else kw.get("costs"))) or real(*a, **kw))

@@ -14,29 +14,28 @@ from __future__ import annotations
 import functools
 
 from . import layout
-from .arguments import AUTO_SCHEDULE
-from .sizes import Sizes, schedule_of
+from .flags import AUTO_SCHEDULE, parse_pipeline_costs, schedule_of
+from .sizes import Sizes
 
 
-def run_costs(args):
+def costs_for_run(args):
     """The costs iteration 1's schedule is built from, by the checks and by ``install`` alike
     (``--pipeline-costs auto`` starts from the default costs and re-plans from measured ones later)."""
     from ..schedules.core.schedule import Costs
-    from .checks import parse_pipeline_costs
 
     spec = getattr(args, "pipeline_costs", None)
     base = parse_pipeline_costs(spec) if spec and spec.strip().lower() != "auto" else Costs()
     return layout.schedule_costs(args, base)
 
 
-def run_memory_limit(args) -> float | None:
+def memory_limit_for_run(args) -> float | None:
     """``--pipeline-memory-limit`` where the schedule takes one (v-auto), else None."""
     return getattr(args, "pipeline_memory_limit", None) if schedule_of(args) == AUTO_SCHEDULE else None
 
 
-def run_schedule(args, sizes: Sizes):
+def schedule_for_run(args, sizes: Sizes):
     """The schedule iteration 1 runs; raises what building raises (ScheduleError, InputError: ValueError)."""
-    return _build(schedule_of(args), sizes.pp, sizes.num_microbatches, run_costs(args), run_memory_limit(args))
+    return _build(schedule_of(args), sizes.pp, sizes.num_microbatches, costs_for_run(args), memory_limit_for_run(args))
 
 
 def clear() -> None:
