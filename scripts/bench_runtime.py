@@ -222,7 +222,7 @@ def _text(costs: Costs) -> str:
 def idle_table(results, measured: Costs, staged: Costs, schedules) -> dict:
     """Per schedule and rank, the median iteration's timeline summary (see the module docstring)."""
     from megatron_vshape.schedules.core.simulator import simulate
-    from megatron_vshape.schedules.lowering.messages import lower
+    from megatron_vshape.schedules.lowering.program import Level, lower_program
 
     lines = ["per-rank timeline of the median iteration (ms; outsd = before/after the call while other ranks "
              "run; idle% = waits + bookkeeping + outsd, of the pipeline's span less gsync; "
@@ -238,7 +238,7 @@ def idle_table(results, measured: Costs, staged: Costs, schedules) -> dict:
         schedule = results[0]["schedules"][name]  # the one the ranks ran (not rebuilt: the code may have changed)
         sim = simulated_idle(simulate(schedule, measured))
         stg = simulated_idle(simulate(schedule, fold_stages(staged, schedule.num_stages)))
-        summaries = summarize(lower(schedule), per_rank, comm)
+        summaries = summarize(lower_program(schedule, level=Level.MESSAGES).ranks, per_rank, comm)
         for s, sim_idle, stg_idle in zip(summaries, sim, stg):
             lines.extend(format_rows(name, [s], sim_idle, stg_idle))
             records.append({"schedule": name, "rank": s.rank, "wall_s": s.wall, "span_s": s.span,

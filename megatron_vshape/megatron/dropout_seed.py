@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.placement import _unwrap
+
 _EMBEDDING_LAYER = 0
 _AFTER_DECODER = -1  # the output layer's init stream
 _TRACKER_OFFSET = 2718  # megatron's model-parallel seed offset (model_parallel_cuda_manual_seed)
@@ -127,12 +129,6 @@ def _layer_pre_hook(layer: int):
             reseed(position, layer)
 
     return hook
-
-
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def _carry_position_into_recompute() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from ..runtime.placement import _unwrap
 from . import hybrid_layout, layout
 from .flags import V_SCHEDULE_NAMES, ConfigError
 
@@ -118,12 +119,6 @@ class ChunkBuilder:
         spec = chunk_specs(placement, parallel_state.get_pipeline_model_parallel_rank())[vp_stage]
         base = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
         return spec.pre_process, spec.post_process, spec.vp_stage, chunk_pg_collection(spec, placement, base)
-
-
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def wrap_model_construction(args) -> None:

@@ -12,8 +12,10 @@ call it takes this pipeline rank's program from the schedule core (built once pe
   only compute input gradients;
 * ``W`` runs the stored weight-gradient work of that (chunk, microbatch).
 
-Messages follow ``schedules.lower``: see :mod:`megatron_vshape.runtime.p2p`. Between two stages of
-one rank (the tip of the V) tensors are handed over locally.
+What a rank runs is the lowering chain's :class:`~megatron_vshape.schedules.lowering.program.Program`
+(its steps with their messages, which B defer W, where chunks gather parameters and start gradient
+reduction, and the p2p program: :mod:`megatron_vshape.runtime.p2p`), the same program the NCCL model
+checks. Between two stages of one rank (the tip of the V) tensors are handed over locally.
 
 Return value (megatron's convention): the list of what the loss function reduced, one entry per
 microbatch in microbatch order, on the rank that holds the *last stage*, and ``[]`` elsewhere. On a
@@ -34,12 +36,12 @@ import torch
 from megatron_vshape.schedules.core.actions import Action
 from megatron_vshape.schedules.core.schedule import Costs, Schedule, ScheduleError
 from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
-from megatron_vshape.schedules.lowering.exchange import Op, exchange_programs
-from megatron_vshape.schedules.lowering.exchange import forward_only_plan as _forward_only_plan
 from megatron_vshape.schedules.lowering.messages import DevicePlan, lower
+from megatron_vshape.schedules.lowering.program import Program, lower_program
 from megatron_vshape.schedules.lowering.validator import validate
 
-from .iteration import Iteration
+from . import te_wgrad
+from .iteration import CallArgs, Iteration, IterationResult, IterationSetup, pipeline_groups
 from .p2p import PairGroups, local_device
 from .replan import (
     CostProfile,
@@ -100,7 +102,7 @@ class ScheduleExecutor:
         self._costs, self._chunks, self._memory_limit = costs, chunks, memory_limit
         self._schedules: dict[tuple[int, int], tuple[Schedule, tuple[DevicePlan, ...]]] = {}
         self._groups: dict[tuple[int, ...], PairGroups] = {}  # per pipeline group (its global ranks)
-        self._programs: dict[tuple[int, int, bool], tuple[tuple[Op, ...], ...]] = {}  # p2p, every rank
+        self._programs: dict[tuple[int, int, bool, bool], Program] = {}  # (d, m, forward_only, defer every W)
         self._wgrad = WeightGradAdapter()
         self.last_wgrad_counts = None  # weight gradients deferred / run by the last call (wgrad.WgradCounts)
         self.record_timeline = False
@@ -124,9 +126,10 @@ class ScheduleExecutor:
     # --- schedule -----------------------------------------------------------------------------
 
     def schedule(self, num_devices: int, num_microbatches: int) -> Schedule:
-        return self._lowered(num_devices, num_microbatches)[0]
+        return self._planned(num_devices, num_microbatches)[0]
 
-    def _lowered(self, num_devices, num_microbatches):
+    def _planned(self, num_devices, num_microbatches) -> tuple[Schedule, tuple[DevicePlan, ...]]:
+        """The schedule at this size and its messages level (built once, until a re-plan)."""
         key = (num_devices, num_microbatches)
         if key not in self._schedules:
             schedule = self._build(num_devices, num_microbatches)
@@ -134,8 +137,19 @@ class ScheduleExecutor:
         return self._schedules[key]
 
     def lower_plans(self, schedule: Schedule) -> tuple[DevicePlan, ...]:
-        """Every rank's plan of ``schedule`` (the exchange programs are derived from all of them)."""
+        """The first pass of the lowering chain, every rank's messages (the tests' hook to corrupt a plan)."""
         return lower(schedule)
+
+    def program(self, num_devices: int, num_microbatches: int, forward_only: bool = False,
+                defer_every_w: bool = False) -> Program:
+        """Every rank's program for a call: the lowering chain run on the schedule (cached)."""
+        key = (num_devices, num_microbatches, forward_only, defer_every_w)
+        if key not in self._programs:
+            schedule, plans = self._planned(num_devices, num_microbatches)
+            self._programs[key] = lower_program(
+                schedule, self._costs, forward_only_call=forward_only, defer_every_w=defer_every_w,
+                split_remote_pairs=not self.fuse_remote_pairs, eager_waits=self.eager_waits, plans=plans)
+        return self._programs[key]
 
     def _build(self, num_devices: int, num_microbatches: int) -> Schedule:
         extra = {} if self._memory_limit is None else {"memory_limit": self._memory_limit}
@@ -149,16 +163,6 @@ class ScheduleExecutor:
         if key not in self._groups:
             self._groups[key] = PairGroups.create(pp_group)
         return self._groups[key]
-
-    def exchange_program(self, num_devices: int, num_microbatches: int, forward_only: bool, rank: int):
-        """This rank's p2p program (``schedules.exchange``), derived from every rank's plan."""
-        key = (num_devices, num_microbatches, forward_only)
-        if key not in self._programs:
-            plans = self._lowered(num_devices, num_microbatches)[1]
-            if forward_only:
-                plans = tuple(map(_forward_only_plan, plans))
-            self._programs[key] = exchange_programs(plans, self._costs, self.eager_waits)
-        return self._programs[key][rank]
 
     # --- megatron signature -------------------------------------------------------------------
 
@@ -191,17 +195,25 @@ class ScheduleExecutor:
             data_iterator, self._loaders = timed_iterators(data_iterator)  # batch loading, out of F
         models = model if isinstance(model, list) else [model]
         before = self._wgrad.counts()
-        run = Iteration(self, forward_step_func, data_iterator, models, num_microbatches,
-                         seq_length, micro_batch_size, forward_only, collect_non_loss_data,
-                         first_val_step, force_all_reduce, pg_collection)
-        losses = run.execute()
+        groups = pipeline_groups(pg_collection)
+        program = self.program(groups.pp.size(), num_microbatches, forward_only,
+                               defer_every_w=te_wgrad.defers_every_w(models))
+        setup = IterationSetup(
+            schedule_name=self.schedule_name, program=program, rank=groups.pp.rank(), groups=groups,
+            wgrad=self._wgrad, pair_groups=lambda: self.pair_groups(groups.pp), watchdog=self.watchdog,
+            record_passes=self.record_timeline, spans=self.current_timeline, clock=self.pass_clock(forward_only))
+        call = CallArgs(forward_step_func, data_iterator, models, num_microbatches, seq_length, micro_batch_size,
+                        forward_only, collect_non_loss_data, first_val_step, force_all_reduce, pg_collection)
+        result = Iteration(setup, call).execute()
+        if result.pass_times is not None:
+            self.last_timeline = result.pass_times
         if not forward_only and self.cost_profile is not None:
-            self._after_training_call(run)
+            self._after_training_call(setup.clock, result, groups.pp, num_microbatches)
         self.last_wgrad_counts = self._wgrad.counts() - before
         if self.current_timeline is not None:
             self.current_timeline.mark(Category.BOOKKEEPING, "return")
             self.last_spans, self.current_timeline = self.current_timeline, None
-        return losses
+        return result.losses
 
 
     # --- re-planning from measured costs --------------------------------------------------------
@@ -213,18 +225,19 @@ class ScheduleExecutor:
             return None
         return PassClock(cuda=torch.cuda.is_available(), loaders=self._loaders)
 
-    def _after_training_call(self, run: Iteration) -> None:
+    def _after_training_call(self, clock: PassClock | None, run: IterationResult, pp_group,
+                             num_microbatches: int) -> None:
         profile = self.cost_profile
-        if run.clock is not None:
-            profile.add(run.clock.seconds())
+        if clock is not None:
+            profile.add(clock.seconds())
         profile.training_calls += 1
         if not profile.due():
             return
         profile.done = True
         device = local_device()
-        comm = measure_comm(run.pp_group, run.tensor_shape, run.dtype, device)
-        key = (run.pp_group.size(), run.num_microbatches)
-        current = self._lowered(*key)[0]
+        comm = measure_comm(pp_group, run.tensor_shape, run.dtype, device)
+        key = (pp_group.size(), num_microbatches)
+        current = self._planned(*key)[0]
         seconds, stage_seconds = agree_on_costs(profile.local_table(current.num_stages), comm, device)
         costs = relative_costs(seconds, self._costs)
         self._costs = costs  # from now on every schedule is built from the measured costs

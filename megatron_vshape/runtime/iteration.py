@@ -1,34 +1,96 @@
 """One call of the executor on one rank: the pass loop, p2p delivery, and the gradient finish.
 
-:class:`ScheduleExecutor` (``executor.py``) owns what lives across calls (schedules, lowered plans,
-p2p groups and programs, re-planning); an :class:`Iteration` is built per call from them and runs
-this rank's plan action by action (see the executor's docstring for what F, B and W do).
+:class:`ScheduleExecutor` (``executor.py``) owns what lives across calls (schedules, the lowered
+programs, p2p groups, re-planning). Per call it hands an :class:`Iteration` a frozen
+:class:`IterationSetup` (this rank's program, the stores and clocks it writes to) and megatron's
+:class:`CallArgs`, and gets an :class:`IterationResult` back; the iteration runs this rank's program step
+by step (see the executor's docstring for what F, B and W do) and knows nothing of the executor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_vshape.schedules.core.actions import Action, Kind
-from megatron_vshape.schedules.core.schedule import PlacementKind, Schedule
-from megatron_vshape.schedules.lowering.exchange import forward_only_plan as _forward_only_plan
-from megatron_vshape.schedules.lowering.messages import DevicePlan, Message, Payload, Step
+from megatron_vshape.schedules.core.schedule import PlacementKind
+from megatron_vshape.schedules.lowering.messages import Message, Payload
+from megatron_vshape.schedules.lowering.program import Program, ProgramStep
 
-from . import compat, te_wgrad
+from . import compat
 from .active_stage import running_stage
 from .grad_sync import BucketLauncher
-from .p2p import PlanExchange, local_device
+from .p2p import PairGroups, PlanExchange, local_device
 from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
-from .timeline import Category
-from .watchdog import Progress
+from .replan import PassClock
+from .timeline import Category, Timeline
+from .watchdog import Progress, ScheduleWatchdog
+from .wgrad_adapter import WeightGradAdapter
 
-if TYPE_CHECKING:
-    from .executor import ScheduleExecutor
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """The call's pipeline group and the sizes of its tensor- and context-parallel groups."""
+
+    pp: object  # torch.distributed.ProcessGroup
+    tp_size: int
+    cp_size: int
+
+
+def pipeline_groups(pg_collection) -> PipelineGroups:
+    """The groups of megatron's ``pg_collection`` (0.19's ``train_step`` passes one), else parallel_state's."""
+    if pg_collection is not None:
+        return PipelineGroups(pg_collection.pp, pg_collection.tp.size(), pg_collection.cp.size())
+    from megatron.core import parallel_state
+
+    return PipelineGroups(parallel_state.get_pipeline_model_parallel_group(),
+                          parallel_state.get_tensor_model_parallel_world_size(),
+                          parallel_state.get_context_parallel_world_size())
+
+
+@dataclass(frozen=True)
+class IterationSetup:
+    """What the executor hands one call: this rank's program and what the call writes to."""
+
+    schedule_name: str
+    program: Program  # every rank's, lowered for this call (training, or forward-only)
+    rank: int  # this rank's index in the pipeline group
+    groups: PipelineGroups
+    wgrad: WeightGradAdapter  # the weight-gradient store the split linears push to
+    pair_groups: Callable[[], PairGroups]  # the p2p groups, created and warmed up on first use
+    watchdog: ScheduleWatchdog | None = None
+    record_passes: bool = False  # keep (action, start, end) of every pass (IterationResult.pass_times)
+    spans: Timeline | None = None  # where the wall time goes (timeline.py), when recorded
+    clock: PassClock | None = None  # times passes for --pipeline-costs auto, while it measures
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """The arguments of megatron's forward-backward call that the iteration reads."""
+
+    forward_step_func: Callable
+    data_iterator: object
+    models: list
+    num_microbatches: int
+    seq_length: int
+    micro_batch_size: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: bool | None
+    force_all_reduce: bool | None
+    pg_collection: object
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    losses: list  # megatron's return value: what the loss function reduced, per microbatch
+    pass_times: list[tuple[Action, float, float]] | None  # with IterationSetup.record_passes
+    tensor_shape: tuple[int, ...]  # of one p2p message (the cost profile measures sending it)
+    dtype: torch.dtype
 
 
 @dataclass
@@ -49,49 +111,38 @@ class Chunk:
 class Iteration:
     """One call of the executor on one rank."""
 
-    def __init__(self, executor: ScheduleExecutor, forward_step_func, data_iterator, models,
-                 num_microbatches, seq_length, micro_batch_size, forward_only, collect_non_loss_data,
-                 first_val_step, force_all_reduce, pg_collection):
-        from megatron.core import parallel_state
+    def __init__(self, setup: IterationSetup, call: CallArgs):
         from megatron.core.utils import get_model_config, get_model_type
 
-        self.executor = executor
+        models = call.models
+        self.setup, self.wgrad = setup, setup.wgrad
         self.config = get_model_config(models[0])
         self.model_type = get_model_type(models[0])
         self.models = models
-        self.pg_collection = pg_collection
-        self.pp_group = pg_collection.pp if pg_collection is not None else (
-            parallel_state.get_pipeline_model_parallel_group())
-        self.cp_size = pg_collection.cp.size() if pg_collection is not None else (
-            parallel_state.get_context_parallel_world_size())
-        tp_size = pg_collection.tp.size() if pg_collection is not None else (
-            parallel_state.get_tensor_model_parallel_world_size())
-        self.rank, num_devices = self.pp_group.rank(), self.pp_group.size()
-        self.schedule, plans = executor._lowered(num_devices, num_microbatches)
+        self.pg_collection = call.pg_collection
+        self.pp_group, self.cp_size = setup.groups.pp, setup.groups.cp_size
+        self.rank = setup.rank
+        self.schedule = setup.program.schedule
         self.placement = self.schedule.placement
-        self.forward_step_func = forward_step_func
-        self.num_microbatches = num_microbatches
-        self.forward_only = forward_only
-        self.collect_non_loss_data = collect_non_loss_data
-        self.first_val_step = first_val_step
-        self.force_all_reduce = force_all_reduce
-        self.chunks = self._make_chunks(models, data_iterator)
-        plan = plans[self.rank]
-        self.plan = _forward_only_plan(plan) if forward_only else plan
-        self.program = executor.exchange_program(num_devices, num_microbatches, forward_only, self.rank)
-        self.deferred = set() if forward_only else (
-            _deferred_backwards(self.schedule, self.plan, split_remote_pairs=not executor.fuse_remote_pairs)
-            | te_wgrad.te_deferred_backwards(self.plan, models))
+        self.forward_step_func = call.forward_step_func
+        self.num_microbatches = call.num_microbatches
+        self.forward_only = call.forward_only
+        self.collect_non_loss_data = call.collect_non_loss_data
+        self.first_val_step = call.first_val_step
+        self.force_all_reduce = call.force_all_reduce
+        self.chunks = self._make_chunks(models, call.data_iterator)
+        self.plan = setup.program.ranks[self.rank]  # this rank's steps and p2p program (the lowering chain's)
+        self.deferred = self.plan.deferred()
         if self.deferred:
-            executor._wgrad.check_models(models, executor.schedule_name)
+            self.wgrad.check_models(models, setup.schedule_name)
         # --overlap-grad-reduce with deferred W: buckets launch at their params' last W (grad_sync.py).
         # Tied copies on one rank (V) are summed after the loop, so their reductions all wait for it.
-        tied_local = self.placement.kind is PlacementKind.V and tied_embedding_pair(models) is not None
+        self.tied_local = self.placement.kind is PlacementKind.V and tied_embedding_pair(models) is not None
         self.launcher = BucketLauncher(models, self.plan, self.placement.chunk_of, split=bool(self.deferred),
-                                       launch_early=not tied_local)
-        shape = [seq_length // self.cp_size, micro_batch_size, self.config.hidden_size]
+                                       launch_early=not self.tied_local)
+        shape = [call.seq_length // self.cp_size, call.micro_batch_size, self.config.hidden_size]
         if self.config.sequence_parallel:
-            shape[0] //= tp_size
+            shape[0] //= setup.groups.tp_size
         self.tensor_shape = tuple(shape)
         self.dtype = self.config.pipeline_dtype or self.config.params_dtype
         self.data_store: dict[int, list] = {}
@@ -101,7 +152,7 @@ class Iteration:
         stages = self.placement.stages_per_device[self.rank]
         if len(models) != len(stages):
             raise ValueError(
-                f"schedule {self.executor.schedule_name} needs {len(stages)} model chunk(s) per pipeline "
+                f"schedule {self.setup.schedule_name} needs {len(stages)} model chunk(s) per pipeline "
                 f"rank, got {len(models)}; build them with megatron_vshape.runtime.placement.build_model_chunks"
             )
         if isinstance(data_iterator, list):
@@ -120,35 +171,31 @@ class Iteration:
 
     # --- main loop ----------------------------------------------------------------------------
 
-    def execute(self):
+    def execute(self) -> IterationResult:
         timers = self.config.timers
         if timers is not None:
             timers("forward-backward", log_level=1).start(barrier=self.config.barrier_with_L1_time)
-        progress = Progress(self.executor.schedule_name, torch.distributed.get_rank(), self.rank)
-        watchdog = self.executor.watchdog
+        progress = Progress(self.setup.schedule_name, torch.distributed.get_rank(), self.rank)
+        watchdog = self.setup.watchdog
         with watchdog.watch(progress) if watchdog is not None else contextlib.nullcontext():
             progress.at("creating and warming up the pipeline's p2p groups")
-            exchange = PlanExchange(self.program, self.executor.pair_groups(self.pp_group), self._make_buffer)
+            exchange = PlanExchange(self.plan.exchange, self.setup.pair_groups(), self._make_buffer)
             progress.pending = exchange.pending
-            result = self._execute(exchange, progress)
+            losses, pass_times = self._execute(exchange, progress)
         if timers is not None:
             timers("forward-backward").stop()
-        return result
+        return IterationResult(losses, pass_times, self.tensor_shape, self.dtype)
 
     def _execute(self, exchange: PlanExchange, progress: Progress):
-        # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
-        # their reductions wait until the whole iteration's backward is done.
-        tied_local = self.placement.kind is PlacementKind.V and tied_embedding_pair(self.models) is not None
-        last_backward = {} if tied_local else _last_backward_step(self.plan, self.placement)
-        first_forward = _first_forward_step(self.plan, self.placement)
-        timeline = [] if self.executor.record_timeline else None
-        spans = exchange.timeline = self.executor.current_timeline  # where the wall time goes (timeline.py)
-        self.clock = clock = self.executor.pass_clock(self.forward_only)
+        pass_times = [] if self.setup.record_passes else None
+        spans = exchange.timeline = self.setup.spans  # where the wall time goes (timeline.py)
+        clock = self.setup.clock
+        store = self.wgrad.store
         with _GradSyncControl(self.config, self.models, enabled=not self.forward_only,
                               launcher=self.launcher) as grad_sync:
             for index, step in enumerate(self.plan.steps):
                 progress.at("the p2p exchange before a pass", index, str(step.action))
-                for chunk_index in first_forward.get(index, ()):
+                for chunk_index in step.gathers_params_of:
                     self._sync_params(chunk_index)
                 exchange.advance(index)  # the sends and receives the p2p program posts before this step
                 self._receive(step, exchange)
@@ -162,25 +209,25 @@ class Iteration:
                     spans.mark(Category(step.action.kind.value), str(step.action))
                 if timed is not None:
                     clock.stop(step.action.kind, self.placement.layer_scale, timed, step.action.stage)
-                if timeline is not None:
-                    timeline.append((step.action, start, time.perf_counter()))
+                if pass_times is not None:
+                    pass_times.append((step.action, start, time.perf_counter()))
                 progress.finished(str(step.action))
-                self.launcher.after_pass(index, step.action.stage, step.action.kind, self.executor._wgrad.store)
-                for chunk_index in last_backward.get(index, ()):
+                self.launcher.after_pass(index, step.action.stage, step.action.kind, store)
+                # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
+                # their reductions wait until the whole iteration's backward is done.
+                for chunk_index in () if self.tied_local else step.reduces_grads_of:
                     grad_sync.start(chunk_index)
             progress.at("the p2p exchange after the last pass")
             exchange.finish()
-            if self.executor.watchdog is not None and torch.cuda.is_available():
+            if self.setup.watchdog is not None and torch.cuda.is_available():
                 # On NCCL the waits above only made the stream wait: let a stuck receive show here,
                 # inside the executor, where the watchdog can name it.
                 progress.at("the GPU finishing this iteration's p2p")
                 torch.cuda.current_stream().synchronize()
-            if tied_local and not self.forward_only:
+            if self.tied_local and not self.forward_only:
                 sum_tied_embedding_grads(self.models)
             for chunk_index in range(len(self.models)):
                 grad_sync.start(chunk_index)  # no-op for chunks already started
-        if timeline is not None:
-            self.executor.last_timeline = timeline
         self._check_drained()
         if not self.forward_only:
             progress.at("the gradient reduction (finalize_model_grads)")
@@ -189,7 +236,7 @@ class Iteration:
             self._finalize_grads()
             if spans is not None:
                 spans.mark(Category.GRAD_SYNC)
-        return [item for mb in sorted(self.data_store) for item in self.data_store[mb]]
+        return [item for mb in sorted(self.data_store) for item in self.data_store[mb]], pass_times
 
     def _tells_cost(self, action: Action) -> bool:
         """F always; B and W only when the W was deferred (else B ran the whole backward, W nothing)."""
@@ -205,7 +252,7 @@ class Iteration:
         func = func[chunk_index] if isinstance(func, list) else func
         func(self.models[chunk_index].parameters())
 
-    def _receive(self, step: Step, exchange: PlanExchange) -> None:
+    def _receive(self, step: ProgramStep, exchange: PlanExchange) -> None:
         for msg in step.recvs:
             tensor = exchange.recv(msg)
             chunk = self.chunk_of(msg.dst_stage)
@@ -214,7 +261,7 @@ class Iteration:
             else:
                 chunk.output_grads[msg.microbatch] = tensor
 
-    def _run(self, action: Action, exchange: PlanExchange, step: Step) -> None:
+    def _run(self, action: Action, exchange: PlanExchange, step: ProgramStep) -> None:
         # User code (get_batch, loss_func) asks mpu.is_pipeline_first/last_stage() during a pass:
         # the glue answers for the stage named here (see runtime.active_stage).
         with running_stage(action.stage, self.placement.num_stages):
@@ -225,7 +272,7 @@ class Iteration:
             else:
                 self._backward_weight(action)
 
-    def _forward(self, action: Action, exchange: PlanExchange, step: Step) -> None:
+    def _forward(self, action: Action, exchange: PlanExchange, step: ProgramStep) -> None:
         chunk, mb = self.chunk_of(action.stage), action.microbatch
         input_tensor = chunk.inputs.get(mb) if action.stage > 0 else None
         store: list = []
@@ -249,14 +296,14 @@ class Iteration:
         if not chunk.is_last_stage:
             _deallocate(output, self.config)
 
-    def _backward_input(self, action: Action, exchange: PlanExchange, step: Step) -> None:
+    def _backward_input(self, action: Action, exchange: PlanExchange, step: ProgramStep) -> None:
         chunk, mb = self.chunk_of(action.stage), action.microbatch
         output_grad = None if chunk.is_last_stage else chunk.output_grads.pop(mb)
         input_tensor = chunk.inputs.pop(mb, None)
         output = chunk.outputs.pop(mb)
-        capture = (self.executor._wgrad.capture((chunk.index, mb), chunk.model, self.executor.schedule_name)
-                   if action in self.deferred else contextlib.nullcontext())
-        with capture, self.launcher.deferred_b(action in self.deferred):
+        capture = (self.wgrad.capture((chunk.index, mb), chunk.model, self.setup.schedule_name)
+                   if step.defers_w else contextlib.nullcontext())
+        with capture, self.launcher.deferred_b(step.defers_w):
             input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if action.stage > 0:
             self._deliver(action, input_grad, Payload.GRADIENT, exchange, step)
@@ -264,10 +311,9 @@ class Iteration:
     def _backward_weight(self, action: Action) -> None:
         if Action(Kind.B, action.stage, action.microbatch) in self.deferred:
             index = self.chunk_of(action.stage).index
-            self.executor._wgrad.run((index, action.microbatch),
-                                     self.launcher.weight_done(index, self.executor._wgrad.store))
+            self.wgrad.run((index, action.microbatch), self.launcher.weight_done(index, self.wgrad.store))
 
-    def _deliver(self, action: Action, tensor, payload: Payload, exchange, step: Step) -> None:
+    def _deliver(self, action: Action, tensor, payload: Payload, exchange, step: ProgramStep) -> None:
         """Send the output of ``action`` to its consumer, or hand it over on this rank."""
         if step.sends:
             for msg in step.sends:
@@ -285,7 +331,7 @@ class Iteration:
 
     def _check_drained(self) -> None:
         left = [(c.stage, sorted(c.outputs)) for c in self.chunks if c.outputs]
-        pending = self.executor._wgrad.pending()
+        pending = self.wgrad.pending()
         if left or pending:
             raise RuntimeError(f"schedule left work undone: outputs {left}, weight-grad keys {pending}")
 
@@ -344,53 +390,6 @@ class _GradSyncControl:
     def __exit__(self, *exc):
         self._stack.close()
         return False
-
-
-def _deferred_backwards(schedule: Schedule, plan: DevicePlan, split_remote_pairs: bool = True) -> set[Action]:
-    """B actions that leave their weight gradients to the store, for their W pass to compute.
-
-    A B directly followed by its own W runs as one ordinary backward, but only when its input gradient
-    stays on this rank (first stage, or the consumer is local): the fused backward sends that gradient
-    only after the weight gradients too, so for a consumer on another rank it would arrive W's
-    duration later than the schedule (and the simulator) assume. Fused-backward schedules (1F1B,
-    GPipe, interleaved) are simulated that way and never split. ``split_remote_pairs=False`` is the old
-    policy (every such pair fused), kept for the benchmarks' side-by-side rows.
-    """
-    if schedule.fused_backward:
-        return set()
-    steps = plan.steps
-    deferred = set()
-    for i, step in enumerate(steps):
-        action = step.action
-        if action.kind is Kind.B:
-            follows = i + 1 < len(steps) and steps[i + 1].action == Action(Kind.W, action.stage, action.microbatch)
-            if not follows or (split_remote_pairs and step.sends):
-                deferred.add(action)
-    return deferred
-
-
-def _last_backward_step(plan: DevicePlan, placement) -> dict[int, list[int]]:
-    """Step index -> chunks whose last backward pass (B or W) is that step."""
-    last: dict[int, int] = {}
-    for index, step in enumerate(plan.steps):
-        if step.action.kind is not Kind.F:
-            last[step.action.stage] = index
-    out: dict[int, list[int]] = {}
-    for stage, index in last.items():
-        out.setdefault(index, []).append(placement.chunk_of(stage))
-    return out
-
-
-def _first_forward_step(plan: DevicePlan, placement) -> dict[int, list[int]]:
-    """Step index -> chunks whose first forward pass is that step."""
-    first: dict[int, int] = {}
-    for index, step in enumerate(plan.steps):
-        if step.action.kind is Kind.F:
-            first.setdefault(step.action.stage, index)
-    out: dict[int, list[int]] = {}
-    for stage, index in first.items():
-        out.setdefault(index, []).append(placement.chunk_of(stage))
-    return out
 
 
 def _v_pg_collection(pg_collection):

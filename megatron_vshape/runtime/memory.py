@@ -32,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .placement import _unwrap
+
 
 class _AllocationWatch(TorchDispatchMode):
     def __init__(self, meter: ActivationMeter):
@@ -125,9 +127,3 @@ class ActivationMeter:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module

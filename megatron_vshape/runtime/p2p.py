@@ -142,7 +142,7 @@ class PlanExchange:
                     self._received[msg] = buffer
             return
         me, ranks = self._groups.rank, self._groups.ranks
-        group = self._groups.group(op.comm.lo, op.comm.hi)
+        group = self._groups.group(op.communicator.lo, op.communicator.hi)
         ops, buffers, sent = [], [], []
         for transfer in op.transfers:
             if transfer.src == me:

@@ -144,6 +144,7 @@ def build_model_chunks(
 
 
 def _unwrap(module):
+    """The model inside megatron's wrappers (DDP, Float16Module: each keeps the wrapped one as ``.module``)."""
     while hasattr(module, "module"):
         module = module.module
     return module

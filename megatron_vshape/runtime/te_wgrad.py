@@ -12,7 +12,7 @@ Two routes (chosen from the flags by ``megatron.feature_checks.split_route``):
   ``w_order_breaks``; every registry schedule keeps it). This module mirrors each queue with the keys
   pushed and refuses a W that would pop another microbatch's entry, instead of a silently wrong
   gradient.
-  Every B of such a model is captured (:func:`te_deferred_backwards`), also one whose W follows
+  Every B of such a model is captured (:func:`defers_every_w`), also one whose W follows
   directly; a backward outside the executor (a reference run) calls :func:`run_te_wgrads_now`.
 * **split layer spec** (TE older or missing): megatron's splittable linears with TE attention and
   norms; TE linears are then refused by :func:`check_te_split` (they would compute W in B).
@@ -135,17 +135,13 @@ def defer_te_wgrads(store, key: Hashable, model: torch.nn.Module) -> int:
     return len(modules)
 
 
-def te_deferred_backwards(plan, models) -> set:
-    """Every B of ``plan`` when ``models`` hold deferring TE linears, else nothing.
+def defers_every_w(models) -> bool:
+    """Whether ``models`` hold deferring TE linears: then every B must be captured and every W must pop
+    what TE queued, also a B whose W follows directly (the lowering chain's ``defer_every_w``).
 
-    TE queues the weight gradient in every backward of such a layer, so every B must be captured and
-    every W must pop it, also a B whose W follows directly (which otherwise runs as one backward).
+    TE queues the weight gradient in every backward of such a layer.
     """
-    if not any(deferring_te_modules(model) for model in models):
-        return set()
-    from megatron_vshape.schedules.core.actions import Kind
-
-    return {step.action for step in plan.steps if step.action.kind is Kind.B}
+    return any(deferring_te_modules(model) for model in models)
 
 
 def run_te_wgrads_now(model: torch.nn.Module) -> int:

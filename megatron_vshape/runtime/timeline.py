@@ -17,8 +17,9 @@ clock outside the executor). What each category holds:
 On CPU (gloo) a wait blocks the host, so the waits are the idle time. On GPU the host clock sees
 launches, not kernels: there these numbers say where the *host* spent its time.
 
-:func:`replay_idle` predicts each rank's idle from the measured pass durations of the same call
-(every pass starts as soon as its rank is free and its messages have arrived, ``comm`` seconds
+:func:`replay_idle` predicts each rank's idle from the measured pass durations of the same call,
+replaying each rank's program of the lowering chain (``schedules/lowering/program.py``, the program the
+executor ran; every pass starts as soon as its rank is free and its messages have arrived, ``comm`` seconds
 after their sender's pass ended): what an executor without overhead would reach with exactly these
 passes. :func:`summary_rows` puts it next to the measured idle; :func:`chrome_trace` writes the
 spans for ``chrome://tracing`` / Perfetto.
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_vshape.schedules.lowering.drive import drive
-from megatron_vshape.schedules.lowering.messages import DevicePlan
+from megatron_vshape.schedules.lowering.program import RankProgram
 
 
 class Category(enum.Enum):
@@ -95,8 +96,11 @@ class Timeline:
         return [span for span in self.spans if span.category in COMPUTE]
 
 
-def replay_idle(plans: Sequence[DevicePlan], durations: Sequence[Sequence[float]], comm: float) -> list[float]:
-    """Each rank's idle share of the makespan when every plan step takes its measured duration.
+def replay_idle(plans: Sequence[RankProgram], durations: Sequence[Sequence[float]], comm: float) -> list[float]:
+    """Each rank's idle share of the makespan when every program step takes its measured duration.
+
+    ``plans``: every rank's program (only each step's receives and sends are read, so a messages-level
+    ``DevicePlan`` replays the same).
 
     ``durations[rank][i]`` is step ``i``'s seconds on that rank; a message arrives ``comm`` seconds
     after the pass that sends it ends. Pure arithmetic: an as-soon-as-possible run of the plans.
@@ -165,7 +169,7 @@ class RankSummary:
         return self.share(*WAITS, Category.BOOKKEEPING) + (self.outside / self.pipeline if self.pipeline > 0 else 0.0)
 
 
-def summarize(plans: Sequence[DevicePlan], timelines: Sequence[Timeline], comm: float) -> list[RankSummary]:
+def summarize(plans: Sequence[RankProgram], timelines: Sequence[Timeline], comm: float) -> list[RankSummary]:
     """Per-rank summaries of one call (``timelines[rank]`` ran ``plans[rank]``, all on one host's clock)."""
     durations = [[span.seconds for span in tl.passes()] for tl in timelines]
     for rank, (plan, steps) in enumerate(zip(plans, durations)):

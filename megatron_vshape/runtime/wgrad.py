@@ -69,6 +69,10 @@ class _Capture:
     store: WeightGradStore
     key: Key
 
+    def defer(self, task: Callable[[], None]) -> None:
+        """Add a weight gradient's work to the key being captured (what a split linear's B calls)."""
+        self.store._push(self.key, task)
+
 
 # The capture in force: one per process, readable from every thread (see the module docstring).
 _ACTIVE: ExclusiveSlot[_Capture] = ExclusiveSlot(lambda new, held: WgradError(
@@ -138,7 +142,7 @@ class WeightGradStore:
         capture = _current_capture()
         if capture is None or capture.store is not self:
             raise WgradError("WeightGradStore.defer() is only valid inside this store's capture(key) block")
-        self._push(capture.key, task)
+        capture.defer(task)
 
     def _push(self, key: Key, task: Callable[[], None]) -> None:
         self._tasks[key].append(task)
@@ -212,7 +216,7 @@ def _make_dispatching_backward(megatron_backward: Callable) -> Callable:
         check_context(ctx)
         if defers_itself(ctx):
             return megatron_backward(ctx, grad_output)
-        return split(ctx, grad_output, capture)
+        return split(ctx, grad_output, capture.defer)
 
     backward.megatron_backward = megatron_backward  # lets disable_wgrad_split() restore it
     return backward

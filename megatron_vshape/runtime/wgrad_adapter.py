@@ -32,7 +32,7 @@ class WeightGradAdapter:
         with store.capture(key):
             yield
             te_wgrad.defer_te_wgrads(store, key, chunk_model)  # TE linears queued their W themselves
-        wgrad.check_deferred(store, key, chunk_model, schedule_name)
+        wgrad.check_deferred(store.deferred_in(key), key, chunk_model, schedule_name)
 
     def run(self, key, after_task=None) -> None:
         self._get().run(key, after_task)

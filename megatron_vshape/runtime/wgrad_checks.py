@@ -11,12 +11,8 @@ at its parameters' last W (``grad_sync.py``).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .wgrad import WeightGradStore
 
 
 class WgradError(RuntimeError):
@@ -68,13 +64,14 @@ def has_splittable_linears(module: torch.nn.Module) -> bool:
     return False
 
 
-def check_deferred(store: WeightGradStore, key: Hashable, chunk: torch.nn.Module, schedule_name: str) -> None:
-    """After a captured B: refuse a B that deferred nothing although ``chunk`` has linear layers.
+def check_deferred(deferred: int, key: Hashable, chunk: torch.nn.Module, schedule_name: str) -> None:
+    """After a captured B: refuse a B that deferred nothing (``deferred``: how many weight gradients the B
+    of ``key`` left to its W, the store's ``deferred_in(key)``) although ``chunk`` has linear layers.
 
     That is the signature of a capture the backward did not see (a backward run on a thread or path
     that bypasses it): every W would be empty and the schedule would silently lose its split.
     """
-    if store.deferred_in(key) == 0 and has_splittable_linears(chunk):
+    if deferred == 0 and has_splittable_linears(chunk):
         raise WgradError(
             f"--pipeline-schedule {schedule_name}: the B pass of {key!r} deferred no weight gradient although "
             "its model chunk has megatron linear layers, so the B/W split is not happening; this is a bug "

@@ -25,15 +25,13 @@ weights) gets two additions instead of one addition of a sum: equal up to roundi
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .wgrad_checks import WgradError, check_splittable
-
-if TYPE_CHECKING:
-    from .wgrad import _Capture
 
 
 def megatron_layers():
@@ -136,8 +134,9 @@ def _accumulate_fused(weight, main_grad, total_input, grad_output) -> None:
 # --- the B pass ------------------------------------------------------------------------------
 
 
-def backward_input_only(ctx, grad_output: torch.Tensor, capture: _Capture) -> tuple:
-    """Megatron's input-gradient path (GEMM + TP all-reduce / SP reduce-scatter); weight grad deferred."""
+def backward_input_only(ctx, grad_output: torch.Tensor, defer: Callable[[_LinearWeightGrad], None]) -> tuple:
+    """Megatron's input-gradient path (GEMM + TP all-reduce / SP reduce-scatter); the weight gradient is
+    handed to ``defer`` (the capture in force adds it to its store's key) for the W pass to run."""
     input, weight = ctx.saved_tensors
     check_splittable(ctx, weight)
     tp_group = ctx.tp_group
@@ -153,8 +152,7 @@ def backward_input_only(ctx, grad_output: torch.Tensor, capture: _Capture) -> tu
     # copy for both (no copy at all in the usual contiguous case).
     grad_output = grad_output.contiguous()
     # Queue W while the collective is in flight, as Megatron overlaps its weight GEMM with it.
-    capture.store._push(
-        capture.key,
+    defer(
         _LinearWeightGrad(
             weight=weight,
             input=input,
@@ -163,7 +161,7 @@ def backward_input_only(ctx, grad_output: torch.Tensor, capture: _Capture) -> tu
             tp_group=tp_group,
             fused_main_grad=ctx.main_grad if ctx.gradient_accumulation_fusion else None,
             autocast=(ctx._fwd_used_autocast, ctx._dtype),
-        ),
+        )
     )
     grad_bias = _grad_bias(grad_output) if ctx.use_bias else None
     if handle is not None:

@@ -47,8 +47,9 @@ def _exchange_worker(rank, world_size, cases):
 
     from megatron_vshape.runtime.p2p import PairGroups
     from megatron_vshape.schedules.generators.registry import get_schedule
-    from megatron_vshape.schedules.lowering.exchange import exchange_programs, forward_only_plan
+    from megatron_vshape.schedules.lowering.exchange import exchange_programs
     from megatron_vshape.schedules.lowering.messages import lower
+    from megatron_vshape.schedules.lowering.program import forward_only_plan
 
     counts = {}
     for name, pp, microbatches in cases:
@@ -68,8 +69,8 @@ def _exchange_worker(rank, world_size, cases):
 def test_programs_deliver_every_message_to_its_receive_on_gloo():
     cases = [("v-half", 4, 8), ("interleaved-1f1b", 4, 8), ("zb-2p", 4, 5), ("v-zb", 2, 4), ("1f1b", 2, 3)]
     from megatron_vshape.schedules.generators.registry import get_schedule
-    from megatron_vshape.schedules.lowering.exchange import forward_only_plan
     from megatron_vshape.schedules.lowering.messages import lower
+    from megatron_vshape.schedules.lowering.program import forward_only_plan
 
     results = spawn(_exchange_worker, 4, (cases,), timeout=200)
     for name, pp, m in cases:
@@ -89,7 +90,7 @@ def _swap_worker(rank, world_size):
     import torch.distributed as dist
 
     from megatron_vshape.runtime.p2p import PairGroups, PlanExchange
-    from megatron_vshape.schedules.lowering.exchange import Comm, Op, OpKind, Transfer
+    from megatron_vshape.schedules.lowering.exchange import Communicator, Op, OpKind, Transfer
     from megatron_vshape.schedules.lowering.messages import Message, Payload
 
     groups = PairGroups.create(dist.group.WORLD)
@@ -97,7 +98,7 @@ def _swap_worker(rank, world_size):
     grad = Message(Payload.GRADIENT, 3, 0, 0, 1)
     sent = (Transfer(0, 1, act), Transfer(0, 1, grad))
     order = sent if rank == 0 else sent[::-1]
-    program = (Op(OpKind.POST, Comm("pair", 0, 1), order), Op(OpKind.WAIT, index=0), Op(OpKind.COMPUTE, index=0))
+    program = (Op(OpKind.POST, Communicator("pair", 0, 1), order), Op(OpKind.WAIT, index=0), Op(OpKind.COMPUTE, index=0))
     exchange = PlanExchange(program, groups, lambda msg: torch.zeros(MESSAGE_WIDTH))
     if rank == 0:
         exchange.send(act, _encode(act))

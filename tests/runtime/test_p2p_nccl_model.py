@@ -1,12 +1,12 @@
 """The p2p programs the runtime issues cannot hang under NCCL's rules (pure Python, no torch).
 
-``schedules.nccl_model`` runs the per-rank operation lists of ``schedules.exchange`` (the ones
+``schedules.lowering.nccl_model`` runs the per-rank operation lists of the lowering chain (the ones
 ``runtime/p2p.py`` executes) under lazy pair-communicator creation, one in-order queue per rank
 (``CUDA_DEVICE_MAX_CONNECTIONS=1``) or one queue per stream, and rendezvous matching. The old p2p
 policy (receives pre-posted two ahead, one process group per direction, no warm-up, a thread that
 waits on sends) is rebuilt here from its description and must hang in the same model.
 The exhaustive grid (every schedule, PP 2..16, m in {min, d, 2d}) is
-``python -m megatron_vshape.schedules.nccl_model``.
+``python scripts/nccl_model_check.py``.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import pytest
 from megatron_vshape.schedules.core.schedule import Costs
 from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule, schedule_names
 from megatron_vshape.schedules.lowering.exchange import (
-    Comm,
+    Communicator,
     Op,
     OpKind,
     Transfer,
     exchange_programs,
-    forward_only_plan,
     pipeline_pairs,
     warmup_program,
 )
 from megatron_vshape.schedules.lowering.messages import CommError, DevicePlan, lower
 from megatron_vshape.schedules.lowering.nccl_model import NcclDeadlock, NcclMismatch, check_exchange, run_nccl_model
+from megatron_vshape.schedules.lowering.program import forward_only_plan
 
 QUEUE_SETTINGS = pytest.mark.parametrize("single_queue", [True, False], ids=["max-connections-1", "streams"])
 
@@ -138,7 +138,7 @@ def test_a_send_and_a_receive_at_one_boundary_share_one_batch():
 def test_warmup_connects_every_pair_once_in_one_order():
     d = 5
     for rank in range(d):
-        comms = [op.comm for op in warmup_program(rank, d) if op.kind is OpKind.POST]
+        comms = [op.communicator for op in warmup_program(rank, d) if op.kind is OpKind.POST]
         assert comms == sorted(comms)
         assert {(c.lo, c.hi) for c in comms} == {p for p in pipeline_pairs(d) if rank in p}
 
@@ -161,7 +161,7 @@ def _legacy_program(plan: DevicePlan, window: int = 2) -> tuple[Op, ...]:
     position = {m: i for order in plan.recv_order.values() for i, m in enumerate(order)}
 
     def comm(msg):
-        return Comm.of("up" if msg.dst > msg.src else "down", msg.src, msg.dst)
+        return Communicator.of("up" if msg.dst > msg.src else "down", msg.src, msg.dst)
 
     def post_upto(peer, count):
         order = plan.recv_order[peer]
@@ -190,7 +190,7 @@ def _legacy_warmup(rank: int, d: int) -> tuple[Op, ...]:
     for group in ("down", "up"):
         for lo, hi in pipeline_pairs(d):
             if rank in (lo, hi):
-                ops.append(Op(OpKind.POST, Comm(group, lo, hi), (Transfer(lo, hi, None), Transfer(hi, lo, None))))
+                ops.append(Op(OpKind.POST, Communicator(group, lo, hi), (Transfer(lo, hi, None), Transfer(hi, lo, None))))
                 ops.append(Op(OpKind.WAIT, index=len(ops) - 1))
     return tuple(ops)
 
@@ -201,7 +201,7 @@ def test_old_policy_hangs_at_the_first_exchange(name, single_queue):
     """Defect 1: rank 0 first creates the 'down' communicator of (0, 1), rank 1 the 'up' one."""
     for d in (2, 4):
         plans = _plans(name, d, 2 * d)
-        with pytest.raises(NcclDeadlock, match=r"rank 0: host creating Comm\(group='down', lo=0, hi=1\)"):
+        with pytest.raises(NcclDeadlock, match=r"rank 0: host creating Communicator\(group='down', lo=0, hi=1\)"):
             run_nccl_model([[_legacy_program(plan)] for plan in plans], single_queue)
 
 
@@ -227,7 +227,7 @@ def test_a_warmup_that_connects_the_successor_first_hangs(single_queue):
         ops = list(warmup_program(rank, d))
         pairs = [ops[i:i + 2] for i in range(0, len(ops), 2)]
         successor = (rank + 1) % d
-        pairs.sort(key=lambda pair: {pair[0].comm.lo, pair[0].comm.hi} != {rank, successor})
+        pairs.sort(key=lambda pair: {pair[0].communicator.lo, pair[0].communicator.hi} != {rank, successor})
         ring.append([op if op.kind is OpKind.POST else Op(OpKind.WAIT, index=i - 1)
                      for i, op in enumerate(o for pair in pairs for o in pair)])
     with pytest.raises(NcclDeadlock, match="host creating"):
@@ -255,7 +255,7 @@ def test_a_receive_that_is_never_sent_is_refused():
 
 # --- the model's rules, one at a time ----------------------------------------------------------
 
-A, B = Comm("pair", 0, 1), Comm("other", 0, 1)
+A, B = Communicator("pair", 0, 1), Communicator("other", 0, 1)
 
 
 def _post(comm, *transfers):
@@ -293,8 +293,8 @@ def test_rule_send_completes_only_when_the_peer_receives(single_queue):
 
 def test_rule_one_queue_a_posted_receive_blocks_later_compute():
     """Rank 0 pre-posts a receive, then computes what rank 1 waits for: fine on streams, a hang on one queue."""
-    C = Comm("pair", 0, 1)  # noqa: N806
-    D = Comm("more", 0, 1)  # noqa: N806
+    C = Communicator("pair", 0, 1)  # noqa: N806
+    D = Communicator("more", 0, 1)  # noqa: N806
     rank0 = [_post(C, (1, 0, "y")), _compute(0), _post(D, (0, 1, "x")), _wait(2), _wait(0)]
     rank1 = [_post(D, (0, 1, "x")), _wait(0), _compute(0), _post(C, (1, 0, "y")), _wait(3)]
     warm = [[_post(C, (0, 1, "w")), _wait(0), _post(D, (0, 1, "w")), _wait(2)]] * 2

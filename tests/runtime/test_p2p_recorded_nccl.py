@@ -23,7 +23,14 @@ import torch
 from megatron_vshape.runtime import p2p
 from megatron_vshape.schedules.core.schedule import Costs
 from megatron_vshape.schedules.generators.registry import get_schedule
-from megatron_vshape.schedules.lowering.exchange import Comm, Op, OpKind, Transfer, exchange_programs, pipeline_pairs
+from megatron_vshape.schedules.lowering.exchange import (
+    Communicator,
+    Op,
+    OpKind,
+    Transfer,
+    exchange_programs,
+    pipeline_pairs,
+)
 from megatron_vshape.schedules.lowering.messages import lower
 from megatron_vshape.schedules.lowering.nccl_model import NcclDeadlock, run_nccl_model
 
@@ -70,7 +77,7 @@ class _Recorder:
     def batch_isend_irecv(self, ops):
         transfers, comm = [], None
         for fn, tensor, peer, group in ops:
-            comm = Comm("pair", group.lo, group.hi)
+            comm = Communicator("pair", group.lo, group.hi)
             msg = self._labels.get(tensor.data_ptr())
             transfers.append(Transfer(self.rank, peer, msg) if fn == self.isend else Transfer(peer, self.rank, msg))
         self.ops.append(Op(OpKind.POST, comm, tuple(transfers)))

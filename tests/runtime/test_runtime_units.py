@@ -13,13 +13,13 @@ import pytest
 from spawn_targets import die_without_reporting, raise_value_error, sleep_forever
 
 from megatron_vshape.runtime import build_forward_backward_func
-from megatron_vshape.runtime.iteration import _deferred_backwards
 from megatron_vshape.runtime.placement import chunk_specs
 from megatron_vshape.schedules.core.actions import Action, Kind
 from megatron_vshape.schedules.core.schedule import Placement, ScheduleError
 from megatron_vshape.schedules.generators.registry import get_schedule
-from megatron_vshape.schedules.lowering.exchange import forward_only_plan as _forward_only_plan
 from megatron_vshape.schedules.lowering.messages import Payload, lower
+from megatron_vshape.schedules.lowering.program import deferred_backwards as _deferred_backwards
+from megatron_vshape.schedules.lowering.program import forward_only_plan as _forward_only_plan
 from megatron_vshape.testing import SpawnError, spawn
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from ..core.inputs import EPS
 from ..core.simulator import SimulationResult
 
 
@@ -15,7 +16,7 @@ def text_grid(result: SimulationResult, quantum: float | None = None, width: int
         return ""
     if quantum is None:
         quantum = min(iv.end - iv.start for iv in timeline.values())
-    columns = math.ceil(result.makespan_total / quantum - 1e-9)
+    columns = math.ceil(result.makespan_total / quantum - EPS)
     rows = [["." * 1] * columns for _ in range(result.schedule.num_devices)]
     for action, iv in timeline.items():
         first = int(round(iv.start / quantum))

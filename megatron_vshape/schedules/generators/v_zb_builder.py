@@ -9,9 +9,14 @@ device may idle as long as the worst one without lengthening the iteration). A s
 reruns with each device's allowance set from the first run ("approved bubble"), which lets
 devices that idled less absorb more, and so on while it helps.
 
-Phases: a warm-up of chunk-0 forwards sized by memory and by when the chunk-1 forward comes
-back, a balancing step that gives each device at least the forwards of the one before it, then
-rounds of (one B per device, one F per device), and the remaining W passes last.
+Phases (``_Builder.build``), each a method with its pattern in its docstring, as DeepSeek's DualPipe
+names its steps (F0/F1: forward of chunk 0 / chunk 1, B1/B0 likewise, W: a pending weight pass):
+
+1. ``warm_up``: on device i, ``F0`` then ``nF0`` (chunk-0 forwards while memory allows and they end
+   before chunk 1 comes back) then ``F1``;
+2. ``balance_forwards``: ``(F0|F1)*`` until every device holds at least the forwards of the one before;
+3. ``steady_rounds``: rounds of ``B`` (B1, else B0) then ``F`` on every device, waits filled with ``W``;
+4. ``drain_w``: the remaining ``W`` of every device.
 
 Lanes: each device holds stage ``i`` (low, chunk 0) and stage ``2d-1-i`` (high, chunk 1).
 F_LOW and B_HIGH take their input from device ``i-1``; F_HIGH and B_LOW from device ``i+1``
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from ..core.actions import Action, Kind
+from ..core.inputs import EPS
 from ..core.ledger import MemoryLedger
 from ..core.ready import UNSET, ready_rule
 from ..core.schedule import Costs, MemoryModel, Placement, Schedule, one_f_one_b_peak
@@ -67,7 +73,7 @@ class _Builder:
             self.cost.append(tuple(costs.of(_KIND[lane], lane_stage[lane]) for lane in range(6)))
             self.delta.append(tuple(self.ledger.delta(_KIND[lane], lane_stage[lane]) for lane in range(6)))
             self.base.append(tuple((_KIND_INDEX[lane] * 2 * d + lane_stage[lane]) * m for lane in range(6)))
-        self.cap = 2.0 * cap_units + 1e-9
+        self.cap = 2.0 * cap_units + EPS
         self.end = [UNSET] * (6 * d * m)
         self.ready_of = ready_rule([placement.device_of(stage) for stage in range(2 * d)], m, costs.comm)
         self.count = [[0] * 6 for _ in range(d)]
@@ -148,6 +154,8 @@ class _Builder:
 
     # -- phases ----------------------------------------------------------------------------
     def warm_up(self) -> None:
+        """Phase 1, device i: ``F0 nF0 F1``. One chunk-0 forward everywhere, then from the tip back to
+        device 0, chunk-0 forwards while they fit and end before chunk 1 returns, then chunk 1's."""
         d, m = self.d, self.m
         for i in range(d):
             self.put(i, F_LOW)
@@ -165,6 +173,11 @@ class _Builder:
                     for j in range(i + 1):
                         self.put(j, F_LOW)
             self.put(i, F_HIGH)
+
+    def balance_forwards(self) -> None:
+        """Phase 2: ``(F0|F1)*`` alternating, on devices i..d-1, until device i holds at least as many
+        forwards as device i-1 and one more chunk-1 forward (so every B of the first round has its input)."""
+        d, m = self.d, self.m
         lane = F_LOW
         for i in range(1, d):
             c, p = self.count[i], self.count[i - 1]
@@ -207,6 +220,7 @@ class _Builder:
         return self.mem[device] + delta[lane] + sum(delta[w] for w in self.pending_w[device]) <= self.cap
 
     def backward_round(self) -> None:
+        """One ``B`` per device (B1 first, B0 when B1 is ahead and B0's input is there), W filling waits."""
         d = self.d
         low_next, high_next = [], []
         for i in range(d):
@@ -227,6 +241,7 @@ class _Builder:
                 self.put_with_fill(i, B_HIGH, self.variant.fill_b)
 
     def forward_round(self) -> None:
+        """One ``F`` per device (F0 when F1 caught up with it, else F1 once its input is placed)."""
         d, m = self.d, self.m
         for i in range(d):
             c = self.count[i]
@@ -243,16 +258,26 @@ class _Builder:
             if self.inputs_ready(i, lane) and self.fits(i, lane):
                 self.put_with_fill(i, lane, self.variant.fill_f)
 
-    def build(self) -> None:
-        self.warm_up()
+    def steady_rounds(self) -> None:
+        """Phase 3: ``(B F)*``, a backward round then a forward round, until every pass is placed (with
+        unequal stages some rounds skip a device, so there are twice as many)."""
         for _ in range(2 * self.m * (2 if self.uneven else 1)):
             self.backward_round()
             self.forward_round()
+
+    def drain_w(self) -> None:
+        """Phase 4: ``W*``, every device's pending weight passes."""
         for i in range(self.d):
             while self.pending_w[i]:
                 self.put_w(i)
             if any(self.count[i][lane] != self.m for lane in range(6)):
                 raise BuildFailed("incomplete")
+
+    def build(self) -> None:
+        self.warm_up()
+        self.balance_forwards()
+        self.steady_rounds()
+        self.drain_w()
 
 
 def _run(d, m, costs, variant, approved, cap_units, memory) -> _Builder:
@@ -284,7 +309,7 @@ def build_v_zb(
             again = _run(d, m, costs, variant, list(best.idle), cap, memory)
         except BuildFailed:
             break
-        if again.max_idle >= best.max_idle - 1e-9:
+        if again.max_idle >= best.max_idle - EPS:
             break
         best = again
     return _to_schedule(best, d, m)

@@ -1,7 +1,8 @@
 """The exchange program: every point-to-point operation a pipeline rank issues, in issue order.
 
-Pure Python. ``runtime/p2p.py`` executes these programs and ``schedules/nccl_model.py`` checks
-them against NCCL's rules, so the model checks exactly the operations the runtime issues.
+Pure Python. The last pass of the lowering chain (``program.exchange``): ``runtime/p2p.py`` executes
+these programs and ``nccl_model.py`` checks them against NCCL's rules, so the model checks exactly the
+operations the runtime issues.
 
 Policy: **one global order of pairwise rendezvous.**
 
@@ -48,10 +49,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..core.actions import Kind
 from ..core.schedule import Costs
 from .drive import drive
-from .messages import CommError, DevicePlan, Message, Payload
+from .messages import CommError, DevicePlan, Message
 
 PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
 # A send-only batch is waited for this many passes per pipeline rank after it (about a pipeline's
@@ -59,7 +59,7 @@ PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank grou
 SEND_SLACK_PER_RANK = 2
 
 
-class Comm(NamedTuple):
+class Communicator(NamedTuple):
     """One communicator: the pair ``(lo, hi)`` of pipeline ranks in process-group family ``group``."""
 
     group: str
@@ -67,7 +67,7 @@ class Comm(NamedTuple):
     hi: int
 
     @classmethod
-    def of(cls, group: str, a: int, b: int) -> Comm:
+    def of(cls, group: str, a: int, b: int) -> Communicator:
         return cls(group, min(a, b), max(a, b))
 
 
@@ -89,7 +89,7 @@ class OpKind(enum.Enum):
 
 class Op(NamedTuple):
     kind: OpKind
-    comm: Comm | None = None
+    communicator: Communicator | None = None
     transfers: tuple[Transfer, ...] = ()
     index: int = -1  # COMPUTE: the plan step; WAIT: the position of its POST in the program
 
@@ -99,16 +99,7 @@ class Op(NamedTuple):
         if self.kind is OpKind.WAIT:
             return f"wait op {self.index}"
         parts = ", ".join(f"{'warm-up' if t.message is None else t.message}" for t in self.transfers)
-        return f"post {self.comm.group}({self.comm.lo},{self.comm.hi}): {parts}"
-
-
-def forward_only_plan(plan: DevicePlan) -> DevicePlan:
-    """The plan of a forward-only (evaluation) call: the forwards and their activations."""
-    steps = tuple(s for s in plan.steps if s.action.kind is Kind.F)
-    recv_order = {
-        peer: tuple(m for m in msgs if m.payload is Payload.ACTIVATION) for peer, msgs in plan.recv_order.items()
-    }
-    return DevicePlan(steps, {p: m for p, m in recv_order.items() if m})
+        return f"post {self.communicator.group}({self.communicator.lo},{self.communicator.hi}): {parts}"
 
 
 def pipeline_pairs(num_devices: int) -> tuple[tuple[int, int], ...]:
@@ -124,7 +115,7 @@ def warmup_program(rank: int, num_devices: int) -> tuple[Op, ...]:
     ops: list[Op] = []
     for lo, hi in pipeline_pairs(num_devices):
         if rank in (lo, hi):
-            ops.append(Op(OpKind.POST, Comm(PAIR_GROUP, lo, hi), (Transfer(lo, hi, None), Transfer(hi, lo, None))))
+            ops.append(Op(OpKind.POST, Communicator(PAIR_GROUP, lo, hi), (Transfer(lo, hi, None), Transfer(hi, lo, None))))
             ops.append(Op(OpKind.WAIT, index=len(ops) - 1))
     return tuple(ops)
 
@@ -143,6 +134,9 @@ class _Event(NamedTuple):
 def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
                       eager_waits: bool = False) -> tuple[tuple[Op, ...], ...]:
     """The per-iteration program of every rank (see the module docstring).
+
+    ``plans`` are the messages level of the lowering (a ``DevicePlan``, or a ``program.RankProgram``:
+    only each step's action, receives and sends and the receive order are read).
 
     ``eager_waits`` waits for every batch right after posting it (the policy before waits moved
     late: one operation outstanding per rank); kept to measure what the late waits buy.
@@ -269,7 +263,7 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
     def close():
         if current:
             src, dst = current[0].src, current[0].dst
-            ops.append(Op(OpKind.POST, Comm.of(PAIR_GROUP, src, dst), tuple(current)))
+            ops.append(Op(OpKind.POST, Communicator.of(PAIR_GROUP, src, dst), tuple(current)))
             position = len(ops) - 1
             receives = any(t.dst == rank for t in current)
             unwaited[position] = receives

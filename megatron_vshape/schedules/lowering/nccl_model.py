@@ -1,8 +1,8 @@
 """A model of NCCL's rules, to prove that exchange programs cannot hang on a GPU (pure Python).
 
 No CPU test can see an NCCL hang: gloo connects when a group is created and runs every operation
-on its own threads. This model runs the per-rank operation lists of ``schedules/exchange.py`` (the
-very ones ``runtime/p2p.py`` issues) under the rules that matter:
+on its own threads. This model runs the per-rank operation lists of the lowering chain's exchange pass
+(``program.py``; the very ones ``runtime/p2p.py`` issues) under the rules that matter:
 
 * **Lazy communicators.** The first POST on a communicator creates it, and creation blocks the
   rank's host thread until every member is creating the same communicator (megatron.training
@@ -31,8 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..core.schedule import Costs
-from .exchange import Comm, Op, OpKind, Transfer, exchange_programs, forward_only_plan, warmup_program
+from .exchange import Communicator, Op, OpKind, Transfer, warmup_program
 from .messages import CommError, DevicePlan
+from .program import Program, exchange, forward_only, from_plans
 
 COMPUTE_QUEUE = "compute"
 
@@ -71,7 +72,7 @@ class _Rank:
     segments: Sequence[Sequence[Op]]
     segment: int = 0
     cursor: int = 0
-    creating: Comm | None = None
+    creating: Communicator | None = None
     posts: dict[int, _Kernel] = field(default_factory=dict)  # program position -> POST kernel (this segment)
     queues: dict[object, deque] = field(default_factory=lambda: defaultdict(deque))
     compute_tail: _Kernel | None = None
@@ -90,8 +91,8 @@ class _Model:
     def __init__(self, programs, single_queue: bool):
         self.ranks = [_Rank(segments) for segments in programs]
         self.single_queue = single_queue
-        self.created: set[Comm] = set()
-        self.joining: dict[Comm, set[int]] = defaultdict(set)
+        self.created: set[Communicator] = set()
+        self.joining: dict[Communicator, set[int]] = defaultdict(set)
         self.parts: dict[tuple, dict[bool, list[_Part]]] = defaultdict(lambda: {True: [], False: []})
         self.work: deque[int] = deque(range(len(self.ranks)))
 
@@ -100,15 +101,15 @@ class _Model:
     def issue(self, r: int) -> bool:
         rank, progressed = self.ranks[r], False
         while (op := rank.current()) is not None:
-            if op.kind is OpKind.POST and op.comm not in self.created:
-                if not self.join(r, op.comm):
+            if op.kind is OpKind.POST and op.communicator not in self.created:
+                if not self.join(r, op.communicator):
                     break
             self.issue_op(r, op)
             rank.cursor += 1
             progressed = True
         return progressed
 
-    def join(self, r: int, comm: Comm) -> bool:
+    def join(self, r: int, comm: Communicator) -> bool:
         """Lazy creation: block until every member of ``comm`` is creating it too."""
         members = {comm.lo, comm.hi}
         if r not in members:
@@ -133,16 +134,16 @@ class _Model:
         else:
             kernel = _Kernel(r, op, self.tail_deps(rank))
             for transfer in op.transfers:
-                if r not in (transfer.src, transfer.dst) or {transfer.src, transfer.dst} != {op.comm.lo, op.comm.hi}:
-                    raise CommError(f"rank {r}: transfer {transfer} does not belong on {op.comm}")
-                channel = (op.comm, transfer.src, transfer.dst)
+                if r not in (transfer.src, transfer.dst) or {transfer.src, transfer.dst} != {op.communicator.lo, op.communicator.hi}:
+                    raise CommError(f"rank {r}: transfer {transfer} does not belong on {op.communicator}")
+                channel = (op.communicator, transfer.src, transfer.dst)
                 is_send = transfer.src == r
                 mine = self.parts[channel][is_send]
                 mine.append(_Part(kernel, transfer, channel, len(mine), is_send))
                 kernel.parts.append(mine[-1])
             kernel.unmatched = len(kernel.parts)
             rank.posts[rank.cursor] = kernel
-            self.enqueue(r, op.comm, kernel)
+            self.enqueue(r, op.communicator, kernel)
 
     def tail_deps(self, rank: _Rank) -> tuple[_Kernel, ...]:
         return (rank.compute_tail,) if rank.compute_tail is not None else ()
@@ -219,47 +220,21 @@ def run_nccl_model(programs: Sequence[Sequence[Sequence[Op]]], single_queue: boo
     _Model(programs, single_queue).run()
 
 
+def check_program(train: Program, evaluate: Program, single_queue: Sequence[bool] = (True, False)) -> None:
+    """Model what the runtime issues for one schedule's lowered programs (the warm-up, a training call,
+    an evaluation call) under each ``single_queue`` setting."""
+    _check_calls(train.ranks, evaluate.ranks, single_queue)
+
+
 def check_exchange(plans: Sequence[DevicePlan], single_queue: Sequence[bool] = (True, False),
                    costs: Costs = Costs()) -> None:
-    """Model what the runtime issues for ``plans`` (the warm-up, a training call, an evaluation call)
-    under each ``single_queue`` setting."""
-    train = exchange_programs(plans, costs)
-    evaluate = exchange_programs([forward_only_plan(plan) for plan in plans], costs)
-    programs = [(warmup_program(r, len(plans)), train[r], evaluate[r]) for r in range(len(plans))]
+    """:func:`check_program` from messages-level ``plans``: the chain's forward-only and exchange passes
+    run on them (the exchange reads nothing that the passes in between add)."""
+    ranks = from_plans(plans)
+    _check_calls(exchange(ranks, costs), exchange(forward_only(ranks), costs), single_queue)
+
+
+def _check_calls(train, evaluate, single_queue: Sequence[bool]) -> None:
+    programs = [(warmup_program(r, len(train)), t.exchange, e.exchange) for r, (t, e) in enumerate(zip(train, evaluate))]
     for setting in single_queue:
         run_nccl_model(programs, setting)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m megatron_vshape.schedules.nccl_model``: every schedule, PP 2..N, m in {min, d, 2d}."""
-    import argparse
-    import time
-
-    from ..generators.registry import SCHEDULES, get_schedule
-    from .messages import lower
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-pp", type=int, default=16, help="largest pipeline size (default 16)")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated names (default all)")
-    args = parser.parse_args(argv)
-    failures = 0
-    for name in args.schedules.split(","):
-        start, runs = time.monotonic(), 0
-        for d in range(2, args.max_pp + 1):
-            low = SCHEDULES[name].min_microbatches(d)
-            for m in sorted({low, max(low, d), 2 * d}):
-                plans = lower(get_schedule(name, d, m))
-                for single_queue in (True, False):
-                    runs += 1
-                    try:
-                        check_exchange(plans, (single_queue,))
-                    except CommError as err:
-                        failures += 1
-                        print(f"FAIL {name} pp={d} m={m} single_queue={single_queue}: {err}")
-        print(f"{name}: {runs} runs (pp 2..{args.max_pp}, both queue settings) in {time.monotonic() - start:.1f} s")
-    print("all NCCL-safe" if not failures else f"{failures} failing runs")
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

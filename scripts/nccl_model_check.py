@@ -1,0 +1,48 @@
+"""Every registry schedule through the NCCL model, PP 2..N, m in {min, d, 2d} (both queue settings).
+
+    python scripts/nccl_model_check.py [--max-pp 16] [--schedules v-half,v-zb]
+
+What ``tests/runtime/test_p2p_nccl_model.py`` checks in CI, as a command for a wider sweep. The
+programs are the lowering chain's (``schedules/lowering/program.py``), the ones the executor runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
+from megatron_vshape.schedules.lowering.messages import CommError
+from megatron_vshape.schedules.lowering.nccl_model import check_program
+from megatron_vshape.schedules.lowering.program import lower_program
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-pp", type=int, default=16, help="largest pipeline size (default 16)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated names (default all)")
+    args = parser.parse_args(argv)
+    failures = 0
+    for name in args.schedules.split(","):
+        start, runs = time.monotonic(), 0
+        for d in range(2, args.max_pp + 1):
+            low = SCHEDULES[name].min_microbatches(d)
+            for m in sorted({low, max(low, d), 2 * d}):
+                schedule = get_schedule(name, d, m)
+                train, evaluate = lower_program(schedule), lower_program(schedule, forward_only_call=True)
+                for single_queue in (True, False):
+                    runs += 1
+                    try:
+                        check_program(train, evaluate, (single_queue,))
+                    except CommError as err:
+                        failures += 1
+                        print(f"FAIL {name} pp={d} m={m} single_queue={single_queue}: {err}")
+        print(f"{name}: {runs} runs (pp 2..{args.max_pp}, both queue settings) in {time.monotonic() - start:.1f} s")
+    print("all NCCL-safe" if not failures else f"{failures} failing runs")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
