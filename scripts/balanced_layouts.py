@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_vshape.layout_flag import format_layout
-from megatron_vshape.planner import CostModel, GPTModel, Layout, calibrate_efficiency, get_gpu, get_model
+from megatron_vshape.planner import CostModel, GPTModel, ParallelLayout, calibrate_efficiency, get_gpu, get_model
 from megatron_vshape.planner.balance import device_work, placement_for, stage_work
 from megatron_vshape.planner.cli import PAPER_F_MS
-from megatron_vshape.planner.layout_mfu import LayoutComparison, chunk_costs, compare_layouts
+from megatron_vshape.planner.layer_layout_mfu import LayoutComparison, chunk_costs, compare_layouts
 
 LLAMA = GPTModel("Llama-3-8B-like", 32, 4096, 32, 8192, 128256)
 LLAMA_BATCH = 128  # sequences per iteration (about 1M tokens)
@@ -37,12 +37,12 @@ class Case:
     model: GPTModel
     gpu: str
     schedule: str
-    layout: Layout
+    layout: ParallelLayout
     flash_attention: bool
 
 
 def llama_cases() -> list[Case]:
-    return [Case(f"Llama-3-8B-like, {pp} x H100, seq 8192", LLAMA, "h100", name, Layout(1, 1, pp, 1, LLAMA_BATCH), True)
+    return [Case(f"Llama-3-8B-like, {pp} x H100, seq 8192", LLAMA, "h100", name, ParallelLayout(1, 1, pp, 1, LLAMA_BATCH), True)
             for pp in (8, 16) for name in ("1f1b", "v-half", "v-zb")]
 
 
@@ -56,7 +56,7 @@ PAPER_ROWS = (
 
 def paper_cases() -> list[Case]:
     return [Case(f"98.5B, 40 x A100, seq {seq}, batch {batch}", get_model("98.5b").with_seq(seq), "a100", name,
-                 Layout(dp, tp, pp, 1, batch), True)
+                 ParallelLayout(dp, tp, pp, 1, batch), True)
             for seq, batch, name, (dp, tp, pp) in PAPER_ROWS]
 
 

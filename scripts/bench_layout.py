@@ -119,7 +119,7 @@ def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    from megatron_vshape.megatron.layout import layout_costs
+    from megatron_vshape.megatron.pipeline_layout import layout_costs
     from megatron_vshape.planner.balance import stage_work
     from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
     from megatron_vshape.runtime.layer_layout import megatron_layout

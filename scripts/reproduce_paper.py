@@ -19,7 +19,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from megatron_vshape.planner import CostModel, Grid, Layout, calibrate_efficiency, get_gpu, get_model, predict, search
+from megatron_vshape.planner import (
+    CostModel,
+    Grid,
+    ParallelLayout,
+    calibrate_efficiency,
+    get_gpu,
+    get_model,
+    predict,
+    search,
+)
 from megatron_vshape.planner.cli import PAPER_F_MS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules: paper_rows, paper_report, plot_schedules
@@ -52,7 +61,7 @@ def _summary(prediction) -> dict:
 
 def run_pure(key: str) -> tuple[str, dict]:
     model_name, d, mb, m, schedules = PURE[key]
-    layout = Layout(1, 1, d, mb, mb * m)
+    layout = ParallelLayout(1, 1, d, mb, mb * m)
     return key, {s: _summary(predict(s, layout, get_model(model_name), cost_model())) for s in schedules}
 
 
@@ -78,7 +87,7 @@ def add_same_layout_ratios(recs: list[dict], predictions: dict) -> None:
         if "mfu" not in before or "mfu" not in after or before["layout"] == after["layout"]:
             continue
         seq, _ = HYBRID[source]
-        layout = Layout(after["dp"], after["tp"], after["pp"], after["micro_batch"],
+        layout = ParallelLayout(after["dp"], after["tp"], after["pp"], after["micro_batch"],
                         after["dp"] * after["micro_batch"] * after["num_microbatches"])
         moved = predict(record["schedule_before"], layout, get_model("98.5b").with_seq(seq), cost_model(),
                         flash_attention=True)

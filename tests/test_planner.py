@@ -13,7 +13,7 @@ from megatron_vshape.planner import (
     CostModel,
     GPTModel,
     Grid,
-    Layout,
+    ParallelLayout,
     calibrate_efficiency,
     get_gpu,
     get_model,
@@ -57,7 +57,7 @@ def test_preset_parameter_counts_match_their_names():
 
 def test_calibration_reproduces_the_f_pass_and_predicts_the_other_microbatch_sizes(calibrated):
     model = get_model("9.6b")
-    f_ms = {mb: calibrated.pass_times(model, Layout(1, 1, 16, mb, 16 * mb)).f * 1e3 for mb in (4, 8, 12)}
+    f_ms = {mb: calibrated.pass_times(model, ParallelLayout(1, 1, 16, mb, 16 * mb)).f * 1e3 for mb in (4, 8, 12)}
     assert f_ms[4] == pytest.approx(12.96, rel=1e-6)  # the calibration point itself
     # Not calibrated: the paper's 26.30 ms and 39.45 ms at microbatch 8 and 12 (within 3 %).
     assert f_ms[8] == pytest.approx(26.30, rel=0.03)
@@ -73,7 +73,7 @@ def test_bad_inputs_raise_one_line_errors_naming_the_flag():
         CostModel(A100, efficiency=1.5)
     # any layer count runs on an uneven layout; only too few layers for the middle stages cannot
     with pytest.raises(ValueError, match="cannot fill the 6 middle stages"):
-        predict("1f1b", Layout(1, 1, 8, 1, 16), GPTModel("tiny", 4, 1024, 8, 1024), CostModel(A100))
+        predict("1f1b", ParallelLayout(1, 1, 8, 1, 16), GPTModel("tiny", 4, 1024, 8, 1024), CostModel(A100))
 
 
 def test_stage_layers_give_embedding_and_head_one_slot_each():
@@ -84,7 +84,7 @@ def test_stage_layers_give_embedding_and_head_one_slot_each():
 
 def test_activation_memory_orders_like_the_paper(calibrated):
     model = get_model("9.6b")
-    layout = Layout(1, 1, 16, 4, 64)
+    layout = ParallelLayout(1, 1, 16, 4, 64)
     act = {s: predict(s, layout, model, calibrated).memory.peak_activation for s in ("1f1b", "1f1b-r", "v-min", "v-half")}
     assert act["1f1b-r"] < act["v-min"] < act["v-half"] < act["1f1b"]
     # The paper measured 46 GB for 1F1B here (paper.md's 34h + 5as per-token model).
@@ -100,10 +100,10 @@ def test_peak_memory_is_saturated_once_microbatches_reach_the_device_count():
 
 def test_out_of_memory_is_marked(calibrated):
     model = get_model("98.5b")
-    fits = predict("1f1b", Layout(1, 4, 10, 1, 160), model, calibrated, flash_attention=True)
+    fits = predict("1f1b", ParallelLayout(1, 4, 10, 1, 160), model, calibrated, flash_attention=True)
     assert not fits.oom and fits.memory.peak < fits.capacity
     # Same split at seq 16384 without recomputation: activations alone exceed 80 GB.
-    too_big = predict("1f1b", Layout(1, 4, 10, 1, 160), model.with_seq(16384), calibrated, flash_attention=True)
+    too_big = predict("1f1b", ParallelLayout(1, 4, 10, 1, 160), model.with_seq(16384), calibrated, flash_attention=True)
     assert too_big.oom and too_big.memory.peak > too_big.capacity
     [found] = search(["1f1b"], model.with_seq(16384), calibrated, 40, 160, Grid(tp=(4,), pp=(10,), micro_batch=(1,)),
                      flash_attention=True)
@@ -204,9 +204,9 @@ def test_reproduce_paper_writes_a_record_per_seed_row(tmp_path, capsys):
 
 def test_gpipe_memory_grows_with_the_microbatch_count_even_when_extrapolated(calibrated):
     model = get_model("9.6b")
-    small = predict("gpipe", Layout(1, 1, 4, 1, 16), model, calibrated)
-    large = predict("gpipe", Layout(1, 1, 4, 1, 64), model, calibrated)
-    exact_1f1b = predict("1f1b", Layout(1, 1, 4, 1, 64), model, calibrated)
+    small = predict("gpipe", ParallelLayout(1, 1, 4, 1, 16), model, calibrated)
+    large = predict("gpipe", ParallelLayout(1, 1, 4, 1, 64), model, calibrated)
+    exact_1f1b = predict("1f1b", ParallelLayout(1, 1, 4, 1, 64), model, calibrated)
     assert large.extrapolated and not small.extrapolated
     # GPipe holds every microbatch's activations: 4x the microbatches, 4x the peak.
     assert large.memory.peak_activation == pytest.approx(4 * small.memory.peak_activation, rel=0.01)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_vshape.planner import CostModel, Layout, calibrate_efficiency, get_gpu, get_model, predict
+from megatron_vshape.planner import CostModel, ParallelLayout, calibrate_efficiency, get_gpu, get_model, predict
 from megatron_vshape.planner.cli import PAPER_F_MS
 from megatron_vshape.planner.exposed_p2p import blocking_costs
 from megatron_vshape.planner.predict import chunk_costs
@@ -15,7 +15,7 @@ from megatron_vshape.planner.simcache import run_pipeline
 
 A100 = get_gpu("a100")
 MODEL = get_model("9.6b")  # h 5120, 40 heads, seq 1024
-PURE_PIPELINE = Layout(1, 1, 16, 4, 4 * 256)  # the paper's 9.6B run: 16 GPUs on two nodes, 256 microbatches
+PURE_PIPELINE = ParallelLayout(1, 1, 16, 4, 4 * 256)  # the paper's 9.6B run: 16 GPUs on two nodes, 256 microbatches
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_megatron_1f1b_waits_for_its_messages_and_v_schedules_do_not(calibrated)
 
 
 def test_bubble_is_the_idle_share_of_the_pipeline_time(calibrated):
-    layout = Layout(1, 1, 16, 4, 64)
+    layout = ParallelLayout(1, 1, 16, 4, 64)
     prediction = predict("v-half", layout, MODEL, calibrated)
     costs = chunk_costs(prediction.pass_times, MODEL, 32, False, 16)
     run = run_pipeline("v-half", 16, 16, costs)
@@ -93,7 +93,7 @@ def test_search_bound_holds_with_flash_attention(calibrated):
     model = get_model("98.5b").with_seq(3072)
     for name in ("1f1b", "v-half"):
         for tp, pp in ((4, 10), (8, 5)):
-            layout = Layout(40 // (tp * pp), tp, pp, 1, 640)
+            layout = ParallelLayout(40 // (tp * pp), tp, pp, 1, 640)
             prediction = predict(name, layout, model, calibrated, flash_attention=True)
             assert _upper_bound(name, layout, model, calibrated, flash_attention=True) >= prediction.mfu - 1e-9
             # without flash attention the passes are slower: that bound would prune wrongly

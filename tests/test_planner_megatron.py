@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vshape.cli_parser import UsageError
-from megatron_vshape.planner import CostModel, Layout, get_gpu, predict
+from megatron_vshape.planner import CostModel, ParallelLayout, get_gpu, predict
 from megatron_vshape.planner.command import recipe_flags as plan_flags
 from megatron_vshape.planner.megatron_args import parse_flags
 from megatron_vshape.planner.recipe import recipe_flags
@@ -140,7 +140,7 @@ def test_any_layer_count_gets_an_uneven_layout_for_every_v_schedule():
                         use_megatron=False).model
     cost = CostModel(get_gpu("h100"), 0.5, fp8=True)
     for name in ("v-half", "v-zb", "1f1b"):
-        pred = predict(name, Layout(4, 2, 4, 1, 64, recompute="selective"), model, cost, flash_attention=True)
+        pred = predict(name, ParallelLayout(4, 2, 4, 1, 64, recompute="selective"), model, cost, flash_attention=True)
         assert sum(pred.layers_per_stage) == 32 and len(pred.layers_per_stage) == (4 if name == "1f1b" else 8)
         assert 0 < pred.mfu < 1 and not pred.oom
 
@@ -148,9 +148,9 @@ def test_any_layer_count_gets_an_uneven_layout_for_every_v_schedule():
 def test_recompute_and_overlap_change_the_prediction_the_right_way():
     model = parse_flags(SHAPES["llama-8b"] + ["--seq-length", "8192", "--vocab-size", "128256"],
                         use_megatron=False).model
-    layout = Layout(8, 1, 4, 1, 128)
+    layout = ParallelLayout(8, 1, 4, 1, 128)
     plain = predict("v-half", layout, model, CostModel(get_gpu("h100"), 0.5), True)
-    full = predict("v-half", Layout(8, 1, 4, 1, 128, recompute="full"), model, CostModel(get_gpu("h100"), 0.5), True)
+    full = predict("v-half", ParallelLayout(8, 1, 4, 1, 128, recompute="full"), model, CostModel(get_gpu("h100"), 0.5), True)
     overlap = predict("v-half", layout, model, CostModel(get_gpu("h100"), 0.5, overlap_grad_reduce=True,
                                                          overlap_param_gather=True), True)
     assert full.memory.peak_activation < plain.memory.peak_activation and full.iteration_time > plain.iteration_time
@@ -165,7 +165,7 @@ def test_printed_flags_parse_with_megatrons_parser_and_the_plugins():
     from megatron_vshape.megatron.arguments import add_arguments
 
     parser = add_arguments(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
-    words = plan_flags("v-half", Layout(2, 2, 4, 1, 512, cp=2, ep=1, recompute="full"), (3, 4, 4, 5, 5, 4, 4, 3))
+    words = plan_flags("v-half", ParallelLayout(2, 2, 4, 1, 512, cp=2, ep=1, recompute="full"), (3, 4, 4, 5, 5, 4, 4, 3))
     args = parser.parse_args(SHAPES["llama-8b"] + BASE[:4] + words)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size) == (2, 4, 2)
     assert args.pipeline_schedule == "v-half" and args.pipeline_layout == "3,4,4,5,5,4,4,3"

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 
 from ..schedules.generators.registry import SCHEDULES
-from . import hybrid_layout, layout
+from . import hybrid_pattern, pipeline_layout
 from .checks import problems
 from .feature_checks import SplitRoute, split_route, split_route_reason, uses_split_spec
 from .flags import (
@@ -161,10 +161,10 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if schedule_of(args) in V_SCHEDULE_NAMES:
         # Megatron builds two model chunks per rank (vp_stage 0 and 1); install() gives them V layers.
         args.num_virtual_stages_per_pipeline_rank = 2
-    layout.apply(args)  # uneven --pipeline-layout: Megatron's own layout flag (2 chunks follow from it)
-    if hybrid_layout.is_hybrid(args):
+    pipeline_layout.apply(args)  # uneven --pipeline-layout: Megatron's own layout flag (2 chunks follow from it)
+    if hybrid_pattern.is_hybrid(args):
         # HybridModel: torch layers on CPU, megatron's linears for a split schedule on TE (hybrid_spec).
-        args.spec = hybrid_layout.spec_arg(args, splits_backward(schedule_of(args)))
+        args.spec = hybrid_pattern.spec_arg(args, splits_backward(schedule_of(args)))
     elif split_route(args) is SplitRoute.TE_DEFERRAL:
         # TE >= 2.3: TE's own linears, each deferring its W to backward_dw() (layer_spec's TE split spec).
         args.spec = list(TE_SPLIT_SPEC_ARG)

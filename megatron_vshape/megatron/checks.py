@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable
 
 from ..schedules.generators.registry import SCHEDULES
-from . import hybrid_layout, layout
+from . import hybrid_pattern, pipeline_layout
 from .feature_checks import (
     check_context_parallel,
     check_cpu_backend,
@@ -80,19 +80,19 @@ def accounted_layers(args) -> int:
 
 
 def check_pipeline_layout(args, sizes) -> str | None:
-    return layout.check(args, sizes.pp)
+    return pipeline_layout.check(args, sizes.pp)
 
 
 def check_layout_resolves(args, sizes) -> str | None:
     """``--pipeline-layout balanced``: the planner simulates the schedule, so only on a valid combination."""
-    return layout.resolve(args, sizes.pp, sizes.num_microbatches)
+    return pipeline_layout.resolve(args, sizes.pp, sizes.num_microbatches)
 
 
 def check_v_layers(args, sizes) -> str | None:
     name = schedule_of(args)
-    if name not in V_SCHEDULE_NAMES or getattr(args, "num_layers", None) is None or layout.requested(args):
+    if name not in V_SCHEDULE_NAMES or getattr(args, "num_layers", None) is None or pipeline_layout.requested(args):
         return None
-    if hybrid_layout.is_hybrid(args):  # the pattern sets the layers (check_pipeline_layout checks it)
+    if hybrid_pattern.is_hybrid(args):  # the pattern sets the layers (check_pipeline_layout checks it)
         return None
     total, chunks = accounted_layers(args), 2 * sizes.pp
     if total % chunks:
@@ -140,7 +140,7 @@ def check_single_chunk_flags(args, sizes) -> str | None:
 
 
 def check_interleaved_has_chunks(args, sizes) -> str | None:
-    if schedule_of(args) != "interleaved-1f1b" or hybrid_layout.is_hybrid(args):  # HybridModel: the '|' segments
+    if schedule_of(args) != "interleaved-1f1b" or hybrid_pattern.is_hybrid(args):  # HybridModel: the '|' segments
         return None
     if not any(getattr(args, d, None) for d in (
             "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",

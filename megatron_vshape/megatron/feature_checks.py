@@ -12,7 +12,7 @@ import enum
 from collections.abc import Callable
 from importlib import metadata
 
-from . import hybrid_layout
+from . import hybrid_pattern
 from .flags import SPLIT_SPEC_ARG, TE_SPLIT_SPEC_ARG, effective, schedule_of, splits_backward
 from .sizes import Sizes
 from .startup_schedule import schedule_for_run
@@ -145,7 +145,7 @@ def split_route(args, te_version: Callable[[], tuple | None] | None = None) -> S
             and getattr(args, "spec", None) in (None, SPLIT_SPEC_ARG, TE_SPLIT_SPEC_ARG)):
         return SplitRoute.NONE
 
-    if hybrid_layout.is_hybrid(args):  # HybridModel's split spec has megatron's linears (hybrid_spec)
+    if hybrid_pattern.is_hybrid(args):  # HybridModel's split spec has megatron's linears (hybrid_spec)
         return SplitRoute.SPLIT_SPEC
     version = te_version() if te_version is not None else te_version_of(args)
     if version is not None and version[:2] >= TE_DEFERRAL_MIN_VERSION and _keeps_w_order(args):

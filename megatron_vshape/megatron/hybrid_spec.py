@@ -11,7 +11,7 @@ needs CUDA kernels). :func:`hybrid_split_spec` is that stack with TE's attention
 own linear, so a B/W-split schedule defers all weight gradients, Mamba's included. ``G``, ``D``, MLA
 and multi-token prediction keep megatron's TE specs. Megatron's ``--spec`` reads module attributes,
 so the two specs are :class:`~.layer_spec.SpecFromTrainingArgs`, filled from megatron.training's
-arguments on first use (:mod:`.hybrid_layout` sets ``--spec``).
+arguments on first use (:mod:`.hybrid_pattern` sets ``--spec``).
 
 Patches (all in :mod:`.patches`, group ``hybrid``), installed by :func:`install`:
 
@@ -91,7 +91,7 @@ def _options_from_args(args) -> dict:
                 qk_l2_norm=getattr(args, "qk_l2_norm", False))
 
 
-# Megatron's --spec targets (see hybrid_layout.HYBRID_LOCAL_SPEC_ARG / HYBRID_SPLIT_SPEC_ARG).
+# Megatron's --spec targets (see hybrid_pattern.HYBRID_LOCAL_SPEC_ARG / HYBRID_SPLIT_SPEC_ARG).
 hybrid_local_stack_spec = SpecFromTrainingArgs(lambda args: hybrid_local_spec(**_options_from_args(args)))
 hybrid_split_stack_spec = SpecFromTrainingArgs(lambda args: hybrid_split_spec(**_options_from_args(args)))
 

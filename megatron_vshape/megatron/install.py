@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import hybrid_layout, layout
+from . import hybrid_pattern, pipeline_layout
 from .arguments import add_arguments, exit_on_error, validate
 from .checks import watchdog_seconds
 from .flags import AUTO_SCHEDULE, MEGATRON_OWN_SCHEDULES, V_SCHEDULE_NAMES
@@ -66,7 +66,7 @@ def install(args: argparse.Namespace) -> None:
         # Called after Megatron's validate_args without hook_arguments(): it derived no virtual
         # pipeline, because validate() set --num-virtual-stages-per-pipeline-rank 2 only now.
         args.virtual_pipeline_model_parallel_size = 2
-    if hybrid_layout.is_hybrid(args):  # HybridModel: V-chunk segments, and its final norm on CPU
+    if hybrid_pattern.is_hybrid(args):  # HybridModel: V-chunk segments, and its final norm on CPU
         from .hybrid_spec import install as install_hybrid
 
         install_hybrid(cpu=args.cpu)
@@ -75,10 +75,10 @@ def install(args: argparse.Namespace) -> None:
     wrap_model_construction(args)
     if args.pipeline_schedule in V_SCHEDULE_NAMES:
         v_stage_predicates()
-    if layout.counts(args) is not None and os.environ.get("RANK", "0") == "0":
-        print(f" [vshape] {layout.describe(args)}", flush=True)
-    if hybrid_layout.describe(args) is not None and os.environ.get("RANK", "0") == "0":
-        print(f" [vshape] {hybrid_layout.describe(args)}", flush=True)
+    if pipeline_layout.counts(args) is not None and os.environ.get("RANK", "0") == "0":
+        print(f" [vshape] {pipeline_layout.describe(args)}", flush=True)
+    if hybrid_pattern.describe(args) is not None and os.environ.get("RANK", "0") == "0":
+        print(f" [vshape] {hybrid_pattern.describe(args)}", flush=True)
     setattr(args, _INSTALLED, True)
 
 

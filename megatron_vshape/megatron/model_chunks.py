@@ -13,7 +13,7 @@ import contextlib
 import functools
 
 from ..runtime.placement import _unwrap
-from . import hybrid_layout, layout
+from . import hybrid_pattern, pipeline_layout
 from .flags import V_SCHEDULE_NAMES, ConfigError
 
 
@@ -65,7 +65,7 @@ class ChunkBuilder:
         for good (its sharded_state_dict asks later); a config the provider builds from args gets it
         because args carry it while the provider runs. Args keep the text otherwise: checkpoints
         store args and reload them with only safe classes."""
-        layers = layout.counts(self.args)
+        layers = pipeline_layout.counts(self.args)
         if not self.is_v or layers is None:
             yield
             return
@@ -87,7 +87,7 @@ class ChunkBuilder:
     def _check_layers(self, model, vp_stage) -> None:
         """The chunk holds its stage's layers, numbered globally (a model path that bypassed the
         layout would silently train another split, with wrong checkpoint keys)."""
-        layers = layout.counts(self.args)
+        layers = pipeline_layout.counts(self.args)
         if layers is None:
             return
         from megatron.core import parallel_state
@@ -144,7 +144,7 @@ def wrap_model_construction(args) -> None:
     except ImportError:  # older megatron.training: no config-container builders
         return
     _wrap_builder(GPTModelBuilder, builder)
-    if hybrid_layout.is_hybrid(args):  # pretrain_hybrid.py (imports TE-spec modules: only when needed)
+    if hybrid_pattern.is_hybrid(args):  # pretrain_hybrid.py (imports TE-spec modules: only when needed)
         from megatron.training.models.hybrid import HybridModelBuilder
 
         _wrap_builder(HybridModelBuilder, builder)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from . import layout
+from . import pipeline_layout
 from .flags import AUTO_SCHEDULE, parse_pipeline_costs, schedule_of
 from .sizes import Sizes
 
@@ -25,7 +25,7 @@ def costs_for_run(args):
 
     spec = getattr(args, "pipeline_costs", None)
     base = parse_pipeline_costs(spec) if spec and spec.strip().lower() != "auto" else Costs()
-    return layout.schedule_costs(args, base)
+    return pipeline_layout.schedule_costs(args, base)
 
 
 def memory_limit_for_run(args) -> float | None:

@@ -3,14 +3,14 @@ microbatch size, with the schedule simulator as the engine. Pure Python, no torc
 
 from .costs import CostModel, PassTimes, calibrate_efficiency
 from .hardware import GPU, GPUS, get_gpu
-from .layout import Layout, stage_layers
 from .memory import MemoryEstimate
 from .model import PRESETS, GPTModel, get_model
+from .parallel_layout import ParallelLayout, stage_layers
 from .predict import Prediction, planner_schedule_names, predict
 from .search import Grid, ScheduleSearch, search
 
 __all__ = [
-    "GPU", "GPUS", "PRESETS", "CostModel", "GPTModel", "Grid", "Layout", "MemoryEstimate", "PassTimes",
+    "GPU", "GPUS", "PRESETS", "CostModel", "GPTModel", "Grid", "ParallelLayout", "MemoryEstimate", "PassTimes",
     "Prediction", "ScheduleSearch", "calibrate_efficiency", "get_gpu", "get_model", "planner_schedule_names",
     "predict", "search", "stage_layers",
 ]

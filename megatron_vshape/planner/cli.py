@@ -30,7 +30,7 @@ from ..schedules.core.schedule import ScheduleError
 from .costs import CostModel, calibrate_efficiency
 from .explain import no_split, why_nothing
 from .hardware import GPUS, get_gpu
-from .layout_mfu import LayoutComparison, compare_layouts
+from .layer_layout_mfu import LayoutComparison, compare_layouts
 from .model import PRESETS, GPTModel, get_model
 from .predict import Prediction, planner_schedule_names, split_name
 from .recipe_plan import (

@@ -8,11 +8,11 @@ flags win in argparse, so appending these to a recipe's command line overrides i
 from __future__ import annotations
 
 from ..layout_flag import format_layout
-from .layout import Layout
+from .parallel_layout import ParallelLayout
 from .predict import recompute_mode, split_name
 
 
-def recipe_flags(schedule: str, layout: Layout, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
+def recipe_flags(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
     """Flags (words) that make a Megatron run use ``schedule`` on ``layout`` with ``layers_per_stage``."""
     base, _ = split_name(schedule)
     flags = [
@@ -33,5 +33,5 @@ def recipe_flags(schedule: str, layout: Layout, layers_per_stage: tuple[int, ...
     return flags
 
 
-def command_line(schedule: str, layout: Layout, layers_per_stage: tuple[int, ...] | None = None) -> str:
+def command_line(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[int, ...] | None = None) -> str:
     return " ".join(recipe_flags(schedule, layout, layers_per_stage))

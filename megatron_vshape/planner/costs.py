@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import GPU
-from .layout import Layout
 from .model import GPTModel
+from .parallel_layout import ParallelLayout
 
 P2P_LATENCY = 20e-6  # seconds per point-to-point message (launch + NCCL handshake)
 HBM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels
@@ -95,7 +95,7 @@ class CostModel:
         """Bandwidth of a group spanning ``extent`` consecutive ranks (NVLink if it fits one node)."""
         return self.gpu.nvlink_bandwidth if extent <= self.gpu.gpus_per_node else self.gpu.internode_bandwidth
 
-    def pass_times(self, model: GPTModel, layout: Layout, flash_attention: bool = False) -> PassTimes:
+    def pass_times(self, model: GPTModel, layout: ParallelLayout, flash_attention: bool = False) -> PassTimes:
         """Seconds of one mean layer's F, B, W for one microbatch on one GPU, and the fixed costs."""
         tp, cp, mb = layout.tp, layout.cp, layout.micro_batch
         split = tp * cp
@@ -125,7 +125,7 @@ class CostModel:
         grad, gather = self._dp_parts(model, layout)
         return PassTimes(f, b, w, self._p2p(model, layout), grad + gather, self._optimizer(model, layout), grad)
 
-    def _cp_exposed(self, model: GPTModel, layout: Layout, core_f: float) -> tuple[float, float]:
+    def _cp_exposed(self, model: GPTModel, layout: ParallelLayout, core_f: float) -> tuple[float, float]:
         """Ring attention's K/V exchange beyond what the attention kernels hide, (F, B) per mean layer."""
         if layout.cp == 1:
             return 0.0, 0.0
@@ -134,7 +134,7 @@ class CostModel:
         send = (layout.cp - 1) * chunk / (self._within_node(layout.tp * layout.cp) * self.bandwidth_efficiency)
         return share * max(0.0, send - core_f), share * max(0.0, 2 * send - 2 * core_f)  # B also returns dK, dV
 
-    def _ep_all_to_all(self, model: GPTModel, layout: Layout) -> float:
+    def _ep_all_to_all(self, model: GPTModel, layout: ParallelLayout) -> float:
         """Dispatch + combine all-to-alls of one mean layer's MoE tokens, per pass (F or B)."""
         if layout.ep == 1:
             return 0.0
@@ -143,7 +143,7 @@ class CostModel:
         bandwidth = self._within_node(layout.tp * layout.cp * layout.ep)
         return 2 * self._ring(nbytes, layout.ep, bandwidth)
 
-    def _p2p(self, model: GPTModel, layout: Layout) -> float:
+    def _p2p(self, model: GPTModel, layout: ParallelLayout) -> float:
         """Mean time of one activation/gradient message between neighbouring stages.
 
         The simulator takes one message time, and a pipeline's fill and drain pay the sum over its
@@ -152,7 +152,7 @@ class CostModel:
         hops = max(layout.pp - 1, 1)
         return sum(self.p2p_between(model, layout, p, p + 1) for p in range(hops)) / hops
 
-    def p2p_between(self, model: GPTModel, layout: Layout, a: int, b: int) -> float:
+    def p2p_between(self, model: GPTModel, layout: ParallelLayout, a: int, b: int) -> float:
         """One activation/gradient message (b*s*h/TP bf16) between pipeline devices ``a`` and ``b``.
 
         Pipeline ranks are tp*dp apart in Megatron's rank order; the message crosses the
@@ -164,17 +164,17 @@ class CostModel:
         bandwidth = self.gpu.internode_bandwidth if crossing else self.gpu.nvlink_bandwidth
         return P2P_LATENCY + nbytes / (bandwidth * self.bandwidth_efficiency)
 
-    def params_per_gpu(self, model: GPTModel, layout: Layout) -> float:
+    def params_per_gpu(self, model: GPTModel, layout: ParallelLayout) -> float:
         return model.total_params / (layout.tp * layout.pp)
 
-    def _shards(self, model: GPTModel, layout: Layout) -> tuple[tuple[float, int], tuple[float, int]]:
+    def _shards(self, model: GPTModel, layout: ParallelLayout) -> tuple[tuple[float, int], tuple[float, int]]:
         """((dense parameters per GPU, ranks sharing their gradients), (the same for routed experts))."""
         experts = model.layers * model.mean_cost.expert_params
         dense = (model.total_params - experts) / (layout.tp * layout.pp)
         data = layout.dp * layout.cp  # Megatron's data-parallel group with context parallelism
         return (dense, data), (experts / (layout.tp * layout.ep * layout.pp), data // layout.ep)
 
-    def _dp_parts(self, model: GPTModel, layout: Layout) -> tuple[float, float]:
+    def _dp_parts(self, model: GPTModel, layout: ParallelLayout) -> tuple[float, float]:
         """(gradient reduction, parameter all-gather) seconds, not overlapped.
 
         With the distributed optimizer: a reduce-scatter of the gradients (``grad_bytes`` each, fp32
@@ -190,10 +190,10 @@ class CostModel:
                 grad += self._ring(params * 2 * self.grad_bytes, ranks, bandwidth)
         return grad, gather
 
-    def _dp_sync(self, model: GPTModel, layout: Layout) -> float:
+    def _dp_sync(self, model: GPTModel, layout: ParallelLayout) -> float:
         return sum(self._dp_parts(model, layout))
 
-    def dp_exposed(self, model: GPTModel, layout: Layout, times: PassTimes, window: float) -> float:
+    def dp_exposed(self, model: GPTModel, layout: ParallelLayout, times: PassTimes, window: float) -> float:
         """DP sync time the iteration pays, given ``window`` seconds of backward work that run after a
         device's first gradients are final (its last microbatch's backward: B + W for a fused
         schedule, the deferred W passes for a split one, which is when a gradient is final).
@@ -213,7 +213,7 @@ class CostModel:
             gather *= bucket
         return grad + gather
 
-    def _optimizer(self, model: GPTModel, layout: Layout) -> float:
+    def _optimizer(self, model: GPTModel, layout: ParallelLayout) -> float:
         # read grad (4) + master/m/v read+write (24) + bf16 param write (2) bytes per parameter
         if not self.distributed_optimizer:
             return self._streaming(self.params_per_gpu(model, layout) * 30)

@@ -11,8 +11,8 @@ from collections import Counter
 
 from ..schedules.generators.registry import SCHEDULES
 from .costs import CostModel
-from .layout import Layout
 from .model import GPTModel
+from .parallel_layout import ParallelLayout
 from .predict import num_stages, split_name
 from .search import Grid, ScheduleSearch, _static_fits, layouts
 
@@ -62,7 +62,7 @@ def why_nothing(found: ScheduleSearch, model: GPTModel, cost_model: CostModel, g
     return f"the {found.schedule} generator could not build any of the {len(runnable)} runnable layouts"
 
 
-def _problem(name: str, layout: Layout, model: GPTModel) -> str | None:
+def _problem(name: str, layout: ParallelLayout, model: GPTModel) -> str | None:
     base, _ = split_name(name)
     minimum = SCHEDULES[base].min_microbatches(layout.pp)
     if layout.num_microbatches < minimum:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from ..schedules.core.actions import Kind
 from ..schedules.core.simulator import SimulationResult
-from .layout import Layout, stage_layers
 from .model import GPTModel
+from .parallel_layout import ParallelLayout, stage_layers
 
 # CUDA context, NCCL buffers, allocator fragmentation: not available to the model.
 RESERVED_BYTES = 4 * 1024**3
@@ -51,7 +51,7 @@ def stage_starts(layers) -> list[int]:
     return starts
 
 
-def static_bytes(model: GPTModel, layout: Layout, stages_per_device, num_stages: int,
+def static_bytes(model: GPTModel, layout: ParallelLayout, stages_per_device, num_stages: int,
                  distributed_optimizer: bool, layers_per_stage=None) -> tuple[float, ...]:
     """Weights, gradients and optimizer state per device; routed experts split over EP x TP and
     their optimizer state over the DP x CP / EP ranks that share them (Megatron's expert-DP group)."""
@@ -84,7 +84,7 @@ class ActivationModel:
     transient: float = 0.0  # extra bytes alive only inside a pass (recomputation)
 
 
-def activation_model(model: GPTModel, layout: Layout, num_stages: int, flash_attention: bool,
+def activation_model(model: GPTModel, layout: ParallelLayout, num_stages: int, flash_attention: bool,
                      recompute: bool | str, layers_per_stage=None) -> ActivationModel:
     """``recompute``: False/"none", True/"full" (each layer keeps its input; the backward rebuilds
     one layer at a time), or "selective" (core attention rebuilt: its s x s scores not kept)."""

@@ -20,9 +20,9 @@ from ..schedules.generators.registry import SCHEDULES, fuses_backward
 from .balance import placement_for, proportional_layout, stage_work
 from .costs import CostModel, PassTimes
 from .exposed_p2p import blocking_costs, blocks_on_p2p
-from .layout import Layout
 from .memory import RESERVED_BYTES, MemoryEstimate, activation_model, activation_peaks, static_bytes
 from .model import GPTModel
+from .parallel_layout import ParallelLayout
 from .simcache import run_pipeline
 
 RECOMPUTE_SUFFIX = "-r"  # "1f1b-r": a schedule with full activation recomputation
@@ -49,7 +49,7 @@ def num_stages(name: str, pp: int) -> int:
 @dataclass(frozen=True)
 class Prediction:
     schedule: str
-    layout: Layout
+    layout: ParallelLayout
     iteration_time: float  # seconds
     mfu: float
     bubble_rate: float
@@ -86,12 +86,12 @@ def chunk_costs(pass_times: PassTimes, model: GPTModel, stages: int, recompute: 
     return Costs(f, b, w, pass_times.p2p)
 
 
-def recompute_mode(name: str, layout: Layout) -> str:
+def recompute_mode(name: str, layout: ParallelLayout) -> str:
     """"full" for the "-r" names (1f1b-r), else the layout's mode."""
     return "full" if split_name(name)[1] else layout.recompute
 
 
-def stage_plan(name: str, layout: Layout, model: GPTModel, times: PassTimes) -> tuple[int, ...] | None:
+def stage_plan(name: str, layout: ParallelLayout, model: GPTModel, times: PassTimes) -> tuple[int, ...] | None:
     """Layers per stage for the per-stage cost model, or None for the paper's slot model."""
     stages = num_stages(name, layout.pp)
     if layout.uses_slots(model, stages):
@@ -116,7 +116,7 @@ def staged_costs(times: PassTimes, model: GPTModel, layers: tuple[int, ...], ful
     return Costs(f, b, w, times.p2p, works)
 
 
-def predict(name: str, layout: Layout, model: GPTModel, cost_model: CostModel,
+def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: CostModel,
             flash_attention: bool = False) -> Prediction:
     """Raise ValueError/ScheduleError naming the problem if the layout cannot run the schedule."""
     base, _ = split_name(name)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .command import command_line
 from .costs import CostModel
-from .layout_mfu import LayoutComparison
+from .layer_layout_mfu import LayoutComparison
 from .megatron_args import ParsedFlags, parse_flags
 from .model import GPTModel
 from .recipe import recipe_flags

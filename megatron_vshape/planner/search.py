@@ -17,9 +17,9 @@ from functools import lru_cache
 from ..schedules.core.schedule import ScheduleError
 from ..schedules.generators.registry import SCHEDULES
 from .costs import CostModel
-from .layout import Layout
 from .memory import RESERVED_BYTES, bytes_per_param
 from .model import GPTModel
+from .parallel_layout import ParallelLayout
 from .predict import Prediction, chunk_costs, num_stages, predict, recompute_mode, split_name
 
 
@@ -53,7 +53,7 @@ class ScheduleSearch:
         return "every configuration is out of memory" if self.evaluated else "no valid configuration"
 
 
-def layouts(model: GPTModel, gpus: int, global_batch: int, grid: Grid, gpus_per_node: int) -> Iterable[Layout]:
+def layouts(model: GPTModel, gpus: int, global_batch: int, grid: Grid, gpus_per_node: int) -> Iterable[ParallelLayout]:
     def allowed(value: int, choices) -> bool:
         return choices is None or value in choices
 
@@ -68,10 +68,10 @@ def layouts(model: GPTModel, gpus: int, global_batch: int, grid: Grid, gpus_per_
                     for mb in grid.micro_batch:
                         if global_batch % (dp * mb) == 0:
                             for mode in grid.recompute:
-                                yield Layout(dp, tp, pp, mb, global_batch, cp, ep, mode)
+                                yield ParallelLayout(dp, tp, pp, mb, global_batch, cp, ep, mode)
 
 
-def _upper_bound(name: str, layout: Layout, model: GPTModel, cost_model: CostModel,
+def _upper_bound(name: str, layout: ParallelLayout, model: GPTModel, cost_model: CostModel,
                  flash_attention: bool = False) -> float:
     """MFU if the pipeline had no bubble except its fill.
 
@@ -110,7 +110,7 @@ def costs_slots(model: GPTModel, pp: int) -> float:
     return (model.layers + 2) / (2 * pp)
 
 
-def _static_fits(layout: Layout, model: GPTModel, cost_model: CostModel) -> bool:
+def _static_fits(layout: ParallelLayout, model: GPTModel, cost_model: CostModel) -> bool:
     """Weights, gradients and optimizer state of the layers alone (experts split over EP) fit."""
     experts = model.layers * model.mean_cost.expert_params
     dense = model.layers * model.layer_params - experts
@@ -126,7 +126,7 @@ def _min_microbatches(base: str, pp: int) -> int:
     return SCHEDULES[base].min_microbatches(pp)  # a search over its sizes: milliseconds each, asked often
 
 
-def _runnable(name: str, layout: Layout, model: GPTModel) -> bool:
+def _runnable(name: str, layout: ParallelLayout, model: GPTModel) -> bool:
     base, _ = split_name(name)
     if layout.num_microbatches < _min_microbatches(base, layout.pp):
         return False
@@ -148,7 +148,7 @@ def _search_one(name, candidates, model, cost_model, flash_attention, tolerance:
     found.skipped = len(viable) - len(fitting)
     bounds = {c: _upper_bound(name, c, model, cost_model, flash_attention) for c in fitting}
     ranked = sorted(fitting, key=lambda c: -bounds[c])
-    out_of_memory: list[Layout] = []
+    out_of_memory: list[ParallelLayout] = []
     for index, layout in enumerate(ranked):
         if found.best is not None and bounds[layout] * (1 - tolerance) <= found.best.mfu:
             found.skipped += len(ranked) - index
@@ -169,7 +169,7 @@ def _search_one(name, candidates, model, cost_model, flash_attention, tolerance:
     return found
 
 
-def _dominated(layout: Layout, oom: Layout) -> bool:
+def _dominated(layout: ParallelLayout, oom: ParallelLayout) -> bool:
     """A bigger microbatch on a layout already out of memory, with the pipeline still full.
 
     Activations grow with the microbatch size, and once there are at least as many microbatches

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .process_slot import ExclusiveSlot
+from .held_value import HeldValue
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class ActiveStage:
         return self.stage == self.num_stages - 1
 
 
-_SLOT: ExclusiveSlot[ActiveStage] = ExclusiveSlot(lambda new, held: RuntimeError(
+_SLOT: HeldValue[ActiveStage] = HeldValue(lambda new, held: RuntimeError(
     f"running_stage({new.stage}) while stage {held.stage} is running: "
     "one pipeline pass at a time per process (two executors running at once?)"))
 

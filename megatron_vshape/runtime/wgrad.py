@@ -43,7 +43,7 @@ from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .process_slot import ExclusiveSlot
+from .held_value import HeldValue
 from .wgrad_checks import (
     CONTEXT_FIELDS,
     WgradError,
@@ -75,7 +75,7 @@ class _Capture:
 
 
 # The capture in force: one per process, readable from every thread (see the module docstring).
-_ACTIVE: ExclusiveSlot[_Capture] = ExclusiveSlot(lambda new, held: WgradError(
+_ACTIVE: HeldValue[_Capture] = HeldValue(lambda new, held: WgradError(
     f"capture({new.key!r}) while capture({held.key!r}) is in force: captures do not nest, "
     "and one process runs one B at a time (two executors running at once?)"))
 

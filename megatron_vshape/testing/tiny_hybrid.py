@@ -106,7 +106,7 @@ def pipeline_worker(rank, world_size, settings: HybridSettings, schedule_name: s
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    from megatron_vshape.megatron.hybrid_layout import HybridPattern
+    from megatron_vshape.megatron.hybrid_pattern import HybridPattern
     from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
 
     seed = _setup(world_size, settings.device)

@@ -187,7 +187,7 @@ def parallel_state_rank(spec: RunSpec, rank: int) -> int:
 def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, reference: dict) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_vshape.megatron.layout import layout_costs
+    from megatron_vshape.megatron.pipeline_layout import layout_costs
     from megatron_vshape.runtime import ActivationMeter, build_forward_backward_func
     from megatron_vshape.schedules.core.schedule import Costs
     from megatron_vshape.schedules.core.simulator import simulate

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_vshape.planner import CostModel, GPTModel, Layout, get_gpu, predict
+from megatron_vshape.planner import CostModel, GPTModel, ParallelLayout, get_gpu, predict
 from megatron_vshape.planner.memory import (
     RESERVED_BYTES,
     MemoryEstimate,
@@ -94,7 +94,7 @@ def planner_model(run) -> GPTModel:
 
 def memory_fit(run) -> MemoryFit:
     """Static + simulated activation peak of the worst GPU, from the planner (TE fused attention = flash sizes)."""
-    model, layout = planner_model(run), Layout(run.dp, run.tp, run.pp, run.micro_batch, run.global_batch)
+    model, layout = planner_model(run), ParallelLayout(run.dp, run.tp, run.pp, run.micro_batch, run.global_batch)
     cost_model = CostModel(GPU)  # distributed optimizer, as the scripts run
     try:
         estimate = predict(run.variant.name, layout, model, cost_model, flash_attention=True).memory
@@ -107,7 +107,7 @@ def memory_fit(run) -> MemoryFit:
                      GPU.memory_bytes - RESERVED_BYTES)
 
 
-def _exact_memory(name: str, layout: Layout, model: GPTModel, cost_model: CostModel) -> MemoryEstimate:
+def _exact_memory(name: str, layout: ParallelLayout, model: GPTModel, cost_model: CostModel) -> MemoryEstimate:
     base, recompute = split_name(name)
     stages = num_stages(name, layout.pp)
     costs = chunk_costs(cost_model.pass_times(model, layout), model, stages, recompute, layout.pp)

@@ -1,4 +1,4 @@
-"""HybridModel's pattern and the schedule's stages (megatron_vshape.megatron.hybrid_layout): the checks our
+"""HybridModel's pattern and the schedule's stages (megatron_vshape.megatron.hybrid_pattern): the checks our
 flags run before Megatron's validate_args, and what they hand to Megatron. Pure Python, no processes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from test_arguments import megatron_like
 
 from megatron_vshape.megatron.arguments import ConfigError, validate
-from megatron_vshape.megatron.hybrid_layout import (
+from megatron_vshape.megatron.hybrid_pattern import (
     HYBRID_LOCAL_SPEC_ARG,
     HYBRID_SPLIT_SPEC_ARG,
     HybridPattern,

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from megatron_vshape.megatron import layout
+from megatron_vshape.megatron import pipeline_layout as layout
 from megatron_vshape.megatron.arguments import ConfigError, add_arguments, validate
 from megatron_vshape.megatron.checks import problems
 from megatron_vshape.planner.balance import choose_layout

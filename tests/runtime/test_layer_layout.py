@@ -9,7 +9,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_vshape.megatron.layout import megatron_layout_text
+from megatron_vshape.megatron.pipeline_layout import megatron_layout_text
 from megatron_vshape.runtime.layer_layout import (
     VShapeLayerLayout,
     layout_stages,

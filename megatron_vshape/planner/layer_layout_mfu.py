@@ -13,15 +13,15 @@ from ..schedules.core.schedule import Costs
 from ..schedules.generators.registry import fuses_backward
 from .balance import LayoutChoice, choose_layout
 from .costs import CostModel
-from .layout import Layout
 from .model import GPTModel
+from .parallel_layout import ParallelLayout
 from .predict import split_name
 
 
 @dataclass(frozen=True)
 class LayoutComparison:
     schedule: str
-    layout: Layout
+    layout: ParallelLayout
     choice: LayoutChoice
     fixed: float  # seconds per iteration outside the pipeline: DP sync + optimizer step
     mfu_per_second: float  # model FLOPs / (GPUs x peak): MFU = this / iteration seconds
@@ -54,7 +54,7 @@ class LayoutComparison:
         }
 
 
-def chunk_costs(model: GPTModel, cost_model: CostModel, layout: Layout, flash_attention: bool = False) -> Costs:
+def chunk_costs(model: GPTModel, cost_model: CostModel, layout: ParallelLayout, flash_attention: bool = False) -> Costs:
     """Seconds of one pass over one V chunk's ``L / (2 pp)`` layers (the schedule core's unit; a
     looped stage is two of them), and of one p2p message. The embedding and the head are added per
     stage by :func:`.balance.stage_work`, not spread over layer slots as :func:`.predict.chunk_costs` does."""
@@ -64,7 +64,7 @@ def chunk_costs(model: GPTModel, cost_model: CostModel, layout: Layout, flash_at
     return Costs(unit * times.f, unit * (times.b + full), unit * times.w, times.p2p)
 
 
-def compare_layouts(name: str, model: GPTModel, cost_model: CostModel, layout: Layout,
+def compare_layouts(name: str, model: GPTModel, cost_model: CostModel, layout: ParallelLayout,
                     flash_attention: bool = False) -> LayoutComparison:
     """Reference vs balanced layout for ``name`` on ``layout`` (ValueError for recomputing schedules)."""
     base, recompute = split_name(name)

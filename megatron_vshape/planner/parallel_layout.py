@@ -9,7 +9,7 @@ from .model import GPTModel
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     dp: int
     tp: int
     pp: int

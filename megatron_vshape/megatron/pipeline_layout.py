@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..layout_flag import BALANCED, FLAG, format_layout, parse_layout
 from ..schedules.core.schedule import PlacementKind
 from ..schedules.generators.registry import SCHEDULES
-from . import hybrid_layout
+from . import hybrid_pattern
 
 UNIFORM = "uniform"
 # Megatron's own ways of splitting layers unevenly; they do not know the V placement, and Megatron
@@ -56,8 +56,8 @@ def num_stages(args, pp: int) -> int:
 
 def check(args, pp: int) -> str | None:
     """Flag combinations and explicit counts (cheap); ``balanced`` is resolved by :func:`resolve`."""
-    if hybrid_layout.is_hybrid(args):  # HybridModel: the stages are the pattern's '|' segments
-        return hybrid_layout.check(args, pp)
+    if hybrid_pattern.is_hybrid(args):  # HybridModel: the stages are the pattern's '|' segments
+        return hybrid_pattern.check(args, pp)
     if not requested(args):
         return None
     text = args.pipeline_layout.strip()
@@ -86,7 +86,7 @@ def check(args, pp: int) -> str | None:
 
 def resolve(args, pp: int, num_microbatches: int) -> str | None:
     """Choose the ``balanced`` counts (the planner simulates the schedule); None when all is well."""
-    if not requested(args) or hasattr(args, _RESOLVED) or hybrid_layout.is_hybrid(args):
+    if not requested(args) or hasattr(args, _RESOLVED) or hybrid_pattern.is_hybrid(args):
         return None
     try:
         model = planner_model(args)
@@ -136,9 +136,9 @@ def stage_works(args, layers):
 
 def apply(args) -> None:
     """Hand uneven counts to Megatron as its own layout (before Megatron's validate_args); on HybridModel
-    as the pattern's '|' segments (:func:`hybrid_layout.apply`)."""
-    if hybrid_layout.is_hybrid(args):
-        hybrid_layout.apply(args)
+    as the pattern's '|' segments (:func:`hybrid_pattern.apply`)."""
+    if hybrid_pattern.is_hybrid(args):
+        hybrid_pattern.apply(args)
         return
     layers = counts(args)
     if layers is None:

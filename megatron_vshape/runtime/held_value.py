@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
-class ExclusiveSlot(Generic[T]):
+class HeldValue(Generic[T]):
     """``hold(value)`` for the duration of a block; ``get()`` from any thread (None when free)."""
 
     def __init__(self, conflict: Callable[[T, T], Exception]):
