@@ -19,6 +19,7 @@ setup(
         # `vshape optimize` (the exact schedule by CP-SAT); everything else works without it.
         "solver": ["ortools>=9.10"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7", "ruff>=0.5",
+                 "import-linter>=2.1",  # the layering contracts (pyproject.toml, tests/test_import_layers.py)
                  "ortools>=9.10"],  # the solver extra: the oracle tests (tests/test_optimize*.py) run in CI
     },
     entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     parser.add_argument("-o", "--output", default=None, help="JSON fixture to write")
     parser.add_argument("--cache", default=None, metavar="FILE",
                         help="also write the V cells where the solver beats v-auto (by more than the tolerance where "
-                             "proven, at all where not) as v-auto's cache (megatron_vshape/schedules/exact/solved_cells.json)")
+                             "proven, at all where not) as v-auto's cache (megatron_vshape/schedules/generators/solved_cells.json)")
     parser.add_argument("--keep", default=None, metavar="FILE",
                         help="a fixture whose proven cells are kept as they are (only the others are solved again)")
     args = parser.parse_args(argv)

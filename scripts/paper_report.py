@@ -189,7 +189,7 @@ def write_results_md(path: Path, recs: list[dict], orderings: list[dict], predic
         "simulated at about 1.5 d and 1.5 d + 6k microbatches and extrapolated linearly (within 0.1 % of an "
         "exact run, tested); greedy ones (V-ZB) are simulated exactly up to d x m = 4096 and extrapolated "
         "beyond. Generation is cached for nearby cost ratios, and every schedule is timed with the real costs.",
-        "- **V-ZB numbers follow the project's V-ZB generator** (schedules/zero_bubble.py), built with each "
+        "- **V-ZB numbers follow the project's V-ZB generator** (schedules/generators/zero_bubble.py), built with each "
         "row's real F/B/W/comm costs; they move when the generator changes.",
         "",
         "## The paper's (seed) rows",

@@ -139,6 +139,7 @@ def test_memory_limit_reaches_v_auto(capsys):
     assert code == 2 and "only applies to v-auto" in err
 
 
+@pytest.mark.slow  # matplotlib: seconds per picture; in the README's test command
 def test_plot(tmp_path, capsys):
     png, mem = tmp_path / "v.png", tmp_path / "mem.svg"
     code, out, err = run(capsys, "plot", "-s", "v-half", "-d", "4", "-m", "8", "-o", str(png), "--memory", str(mem))

@@ -22,6 +22,9 @@ from megatron_vshape.schedules.generators.registry import get_schedule
 from megatron_vshape.schedules.generators.v_schedules import v_min_block
 from megatron_vshape.schedules.lowering.validator import validate
 
+# The solver's tier (CP-SAT, seconds per cell): out of the fast inner loop, in the README's test command.
+pytestmark = pytest.mark.slow
+
 UNEQUAL = Costs.parse("f=1,b=1.1,w=0.9,comm=0.05")
 
 

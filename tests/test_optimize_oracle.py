@@ -34,6 +34,9 @@ from megatron_vshape.schedules.lowering.messages import lower
 from megatron_vshape.schedules.lowering.nccl_model import check_exchange
 from megatron_vshape.schedules.lowering.validator import validate
 
+# The solver's tier (CP-SAT, seconds per cell): out of the fast inner loop, in the README's test command.
+pytestmark = pytest.mark.slow
+
 FIXTURE = Path(__file__).parent / "fixtures" / "oracle_cells.json"
 CELLS = json.loads(FIXTURE.read_text())["cells"]
 EPS = 1e-9

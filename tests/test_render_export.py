@@ -228,6 +228,7 @@ def _colours(path) -> set[tuple[int, int, int]]:
     return {tuple(p) for p in rgb.tolist()}
 
 
+@pytest.mark.slow  # matplotlib: seconds per picture; in the README's test command
 def test_plot_schedule_png(tmp_path):
     from megatron_vshape.schedules.export import render_plot
 
@@ -253,6 +254,7 @@ def test_plot_schedule_svg_and_looped(tmp_path):
     assert text.lstrip().startswith("<?xml") and "1F1B" in text
 
 
+@pytest.mark.slow  # matplotlib: seconds per picture; in the README's test command
 def test_plot_memory(tmp_path):
     from megatron_vshape.schedules.export.render_plot import plot_memory
 

@@ -55,6 +55,7 @@ def test_as_good_as_the_authors_generator(cell, costs):
     assert result.peak_memory_max <= cell["peak_units_max"]
 
 
+@pytest.mark.slow  # builds up to d = 16, m = 128: seconds; in the README's test command
 @QUICK
 @given(d=st.integers(2, 16), factor=st.floats(1, 8), equal=st.booleans())
 def test_valid_and_within_the_papers_memory(d, factor, equal):

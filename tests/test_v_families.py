@@ -23,7 +23,8 @@ EPS = 1e-9
 # settings up to d = 5, the unequal one above (CI time: the builds dominate).
 SIZES = [(d, d) for d in (2, 3, 4, 5, 6, 7, 8, 12, 16)] + [(d, 2 * d) for d in (2, 3, 4, 5, 6)]
 SIZES += [(d, 8 * d) for d in (2, 3, 5)]
-CELLS = [(d, m, label) for d, m in SIZES for label in COSTS if d <= 5 or label == "unequal_comm"]
+CELLS = [pytest.param(d, m, label, marks=[pytest.mark.slow] if d >= 12 else [])  # d >= 12: seconds per cell
+         for d, m in SIZES for label in COSTS if d <= 5 or label == "unequal_comm"]
 GREEDY_CHECKED = 4  # the greedy is rebuilt here (independently of the generator) up to this d
 
 

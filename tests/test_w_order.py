@@ -35,6 +35,7 @@ def test_the_set_of_schedules_that_keep_the_order_is_the_registry():
     assert KEEPS_W_ORDER == set(SCHEDULES), "a new schedule: add it here once the test below passes for it"
 
 
+@pytest.mark.slow  # full-size builds at d = 2..16 for every schedule: seconds; in the README's test command
 @pytest.mark.parametrize("name", sorted(set(SCHEDULES) - {"v-auto"}))
 @FEW
 @given(d=st.integers(2, 16), factor=st.integers(1, 4), costs=st.sampled_from(COSTS))
@@ -45,6 +46,7 @@ def test_registry_schedules_keep_w_order_at_2_to_16_devices(name, d, factor, cos
     assert keeps_w_order(schedule) is (name in KEEPS_W_ORDER), w_order_breaks(schedule)
 
 
+@pytest.mark.slow  # v-auto builds every candidate at d = 2..16: seconds; in the README's test command
 @AUTO_FEW
 @given(d=st.integers(2, 16), factor=st.integers(1, 3), limit=st.sampled_from((None, 0.6, 0.8)))
 @example(d=16, factor=2, limit=None).via("largest pipeline")

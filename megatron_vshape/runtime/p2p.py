@@ -1,8 +1,8 @@
-"""Point-to-point exchange: runs the exchange program of ``schedules/exchange.py`` on real ranks.
+"""Point-to-point exchange: runs the exchange program of ``schedules/lowering/exchange.py`` on real ranks.
 
 The program (one per rank, computed from the lowered plans of every rank) says which batch of
 sends and receives to post before which pass; its docstring has the policy and the proof that it
-cannot hang under NCCL's rules, and ``schedules/nccl_model.py`` checks every schedule against
+cannot hang under NCCL's rules, and ``schedules/lowering/nccl_model.py`` checks every schedule against
 those rules. This module only executes it:
 
 * :class:`PairGroups` makes one two-rank process group per pair of pipeline ranks that may talk
@@ -15,7 +15,7 @@ those rules. This module only executes it:
   ``Work.wait()`` on its works (on NCCL that makes the current stream wait; on gloo it blocks the
   CPU). The program waits for a receive right before the pass that needs it and for a send 2d
   passes later, so several posted operations may be outstanding; they were posted in the one global order
-  that makes that safe (see ``schedules/exchange.py``), and no thread waits on NCCL work.
+  that makes that safe (see ``schedules/lowering/exchange.py``), and no thread waits on NCCL work.
   Untagged NCCL pairs the n-th send with the n-th receive of a channel; both sides post in the
   program's order, so each tensor lands in the buffer meant for it (megatron's batched p2p, which
   swapped an activation and a gradient, is not used).
