@@ -7,7 +7,7 @@ those rules. This module only executes it:
 
 * :class:`PairGroups` makes one two-rank process group per pair of pipeline ranks that may talk
   (collectively, in one order on every rank) and warms each one up with a token exchange, in the
-  order of :func:`~megatron_vshape.schedules.exchange.warmup_program`. NCCL creates communicators
+  order of :func:`~megatron_vshape.schedules.lowering.exchange.warmup_program`. NCCL creates communicators
   lazily and each creation blocks until the peer creates the same one; after the warm-up no
   creation is left for the iterations.
 * :class:`PlanExchange` issues the program's operations from the calling (compute) thread, in

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import json, sys
     import megatron.core
-    from megatron_vshape.schedules import schedule_names
+    from megatron_vshape.schedules.generators.registry import schedule_names
     from megatron_vshape.testing import ModelSettings, RunSpec, run_check
 
     if __name__ == "__main__":
