@@ -268,6 +268,16 @@ def layout_comparisons(results: list[ScheduleSearch], model: GPTModel, cost_mode
     return out
 
 
+def runs_of_the_flags(results: list[ScheduleSearch], comparisons: dict[str, LayoutComparison | str]) -> None:
+    """Where the layout table's balanced layout beats the search's own, the flags recommend it
+    (``recipe_plan.commands``): the schedule's row shows that run (the same prediction), so both tables agree."""
+    for found in results:
+        comparison = comparisons.get(found.schedule)
+        if found.best is not None and isinstance(comparison, LayoutComparison) \
+                and comparison.balanced_mfu > found.best.mfu:
+            found.best = comparison.balanced
+
+
 def layout_report(comparisons: dict[str, LayoutComparison | str]) -> str:
     lines = ["", "Layer layout of each best configuration, with the embedding, LM head and loss costed on their own "
              "stages (--pipeline-layout uniform|balanced):"]
@@ -309,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{cost_model.efficiency:.1%} of peak for the GEMMs")
     reasons = {r.schedule: why_nothing(r, model, cost_model, args.gpus, args.global_batch, _grid(args))
                for r in results if r.best is None}
-    print(report(results, args.all, reasons))
     comparisons = {} if args.no_layouts else layout_comparisons(results, model, cost_model, args.flash_attention)
+    runs_of_the_flags(results, comparisons)
+    if comparisons:
+        print("Each row is the run its flags give (printed at the end; its --pipeline-layout included):")
+    print(report(results, args.all, reasons))
     if comparisons:
         print(layout_report(comparisons))
     if args.recipe is not None:

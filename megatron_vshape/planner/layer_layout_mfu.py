@@ -1,8 +1,9 @@
 """Predicted MFU of one (schedule, DP x TP x PP layout) with the reference and the balanced layer layout.
 
-The pipeline is simulated with per-stage costs (:mod:`.balance`): the embedding, LM head and loss
-sit on their own stages instead of the "each takes one layer's slot" assumption the search in
-:mod:`.predict` makes. Iteration = makespan + DP sync + optimizer step, as in :mod:`.predict`.
+:func:`.balance.choose_layout` finds the balanced layout, with the embedding, LM head and loss on their
+own stages; both layouts are then costed by :func:`.predict.predict`, the function that costs the
+search's rows, so a row and its layout's line describe the same run (the schedule generated as training
+generates it, Megatron's blocking p2p where it blocks, the same DP sync and optimizer step).
 """
 
 from __future__ import annotations
@@ -10,37 +11,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedules.core.schedule import Costs
-from ..schedules.generators.registry import fuses_backward
 from .balance import LayoutChoice, choose_layout
 from .costs import CostModel
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
-from .predict import split_name
+from .predict import Prediction, predict, split_name
 
 
 @dataclass(frozen=True)
 class LayoutComparison:
     schedule: str
     layout: ParallelLayout
-    choice: LayoutChoice
-    fixed: float  # seconds per iteration outside the pipeline: DP sync + optimizer step
-    mfu_per_second: float  # model FLOPs / (GPUs x peak): MFU = this / iteration seconds
+    choice: LayoutChoice  # the layouts (the balance search's own simulated times are its ranking)
+    reference: Prediction  # the reference layout's run
+    balanced: Prediction  # the balanced layout's run
 
     @property
     def reference_iteration(self) -> float:
-        return self.choice.reference_time + self.fixed
+        return self.reference.iteration_time
 
     @property
     def balanced_iteration(self) -> float:
-        return self.choice.iteration_time + self.fixed
+        return self.balanced.iteration_time
 
     @property
     def reference_mfu(self) -> float:
-        return self.mfu_per_second / self.reference_iteration
+        return self.reference.mfu
 
     @property
     def balanced_mfu(self) -> float:
-        return self.mfu_per_second / self.balanced_iteration
+        return self.balanced.mfu
 
     def to_json(self) -> dict:
         lay, choice = self.layout, self.choice
@@ -72,8 +72,6 @@ def compare_layouts(name: str, model: GPTModel, cost_model: CostModel, layout: P
         raise ValueError(f"{name}: layer balancing does not model recomputation; compare {base} instead")
     costs = chunk_costs(model, cost_model, layout, flash_attention)
     choice = choose_layout(model, base, layout.pp, layout.num_microbatches, costs, flash_attention=flash_attention)
-    times = cost_model.pass_times(model, layout, flash_attention)
-    per_second = model.model_flops(layout.global_batch) / (layout.gpus * cost_model.mfu_peak)
-    window = 2 * (costs.w if not fuses_backward(base) else costs.b + costs.w)  # as predict charges it
-    return LayoutComparison(name, layout, choice, cost_model.dp_exposed(model, layout, times, window) + times.optimizer,
-                            per_second)
+    reference = predict(name, layout, model, cost_model, flash_attention, layers=tuple(choice.reference_layers))
+    balanced = predict(name, layout, model, cost_model, flash_attention, layers=tuple(choice.layers_per_stage))
+    return LayoutComparison(name, layout, choice, reference, balanced)

@@ -117,8 +117,10 @@ def staged_costs(times: PassTimes, model: GPTModel, layers: tuple[int, ...], ful
 
 
 def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: CostModel,
-            flash_attention: bool = False) -> Prediction:
-    """Raise ValueError/ScheduleError naming the problem if the layout cannot run the schedule."""
+            flash_attention: bool = False, layers: tuple[int, ...] | None = None) -> Prediction:
+    """Raise ValueError/ScheduleError naming the problem if the layout cannot run the schedule.
+
+    ``layers``: the layers per stage to cost (a ``--pipeline-layout``); default :func:`stage_plan`'s."""
     base, _ = split_name(name)
     mode = recompute_mode(name, layout)
     stages = num_stages(name, layout.pp)
@@ -126,7 +128,8 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
     if problem:
         raise ValueError(problem)
     times = cost_model.pass_times(model, layout, flash_attention)
-    layers = stage_plan(name, layout, model, times)
+    if layers is None:
+        layers = stage_plan(name, layout, model, times)
     if layers is None:
         costs = chunk_costs(times, model, stages, mode == "full", layout.pp)
     else:
@@ -135,7 +138,9 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
     if cost_model.blocking_p2p and blocks_on_p2p(base) and layout.pp > 1:
         timed = blocking_costs(base, costs, layout.pp,
                                lambda a, b: cost_model.p2p_between(model, layout, a, b))
-    run = run_pipeline(base, layout.pp, layout.num_microbatches, timed, coarse=not model.paper_shape)
+    uneven = layers is not None and len(set(layers)) > 1  # training's schedule sees per-stage work then
+    run = run_pipeline(base, layout.pp, layout.num_microbatches, timed, coarse=not model.paper_shape,
+                       staged_order=uneven)
     # Gradients are final once a device's last backward work runs: B + W fused, W when split.
     window = 2 * (costs.w if not fuses_backward(base) else costs.b + costs.w)
     dp = cost_model.dp_exposed(model, layout, times, window)

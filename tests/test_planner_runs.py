@@ -1,0 +1,52 @@
+"""`vshape plan`'s rows and its layout table cost one run each: the run of the flags it prints, with the
+schedule generated as training generates it (per-stage work in the generator under an uneven
+``--pipeline-layout``, the base costs under the uniform one)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_vshape.planner import cli
+from megatron_vshape.planner.parallel_layout import ParallelLayout
+from megatron_vshape.planner.predict import staged_costs
+from megatron_vshape.schedules.core.simulator import simulate
+from megatron_vshape.schedules.generators.registry import get_schedule
+
+# Llama-3 8B (vocabulary 128,256) on 64 H100s at PP 8: the LM head outweighs a V stage's two layers.
+LLAMA3_8B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+             "--group-query-attention", "--num-query-groups", "8", "--kv-channels", "128", "--swiglu",
+             "--seq-length", "8192", "--vocab-size", "128256", "--fp8-format", "hybrid"]
+PLAN = ["--gpus", "64", "--gpu", "h100", "--global-batch-size", "128", "--pp", "8", "--tp", "1", "--cp", "1",
+        "--micro-batch", "1"]
+
+
+@pytest.mark.slow  # a planner search with full-size V-ZB builds: about 10 s
+def test_the_row_and_the_layout_table_agree_and_cost_the_schedule_training_builds(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert cli.main([*PLAN, "--schedules", "v-zb,v-half", "--json", str(out), "--", *LLAMA3_8B]) == 0
+    printed = capsys.readouterr().out
+    assert "Each row is the run its flags give" in printed
+    for record in json.loads(out.read_text()):
+        best, layout = record["best"], record["layout"]
+        if layout["balanced_mfu"] >= best["mfu"]:  # the flags recommend the balanced layout: the row is that run
+            assert best["mfu"] == layout["balanced_mfu"] and best["layers_per_stage"] == layout["balanced_layers"]
+        else:  # the search's own layout stays, and beats the balanced one
+            assert best["mfu"] > layout["balanced_mfu"]
+    # The V-ZB row is the schedule training builds for its uneven layout (generated with each stage's work),
+    # timed under the same costs: generated for uniform stages instead, it came out 7 % shorter.
+    v_zb = next(r for r in json.loads(out.read_text()) if r["schedule"] == "v-zb")["best"]
+    layers = tuple(v_zb["layers_per_stage"])
+    assert len(set(layers)) > 1
+    args = cli.build_parser().parse_args(PLAN)
+    cli.resolve(args, LLAMA3_8B)
+    model, cost_model = cli.model_from_args(args), cli.cost_model_from_args(args)
+    layout = ParallelLayout(v_zb["dp"], v_zb["tp"], v_zb["pp"], v_zb["micro_batch"], 128, v_zb["cp"], v_zb["ep"],
+                            v_zb["recompute"])
+    assert layout.num_microbatches == v_zb["num_microbatches"]
+    times = cost_model.pass_times(model, layout, args.flash_attention)
+    costs = staged_costs(times, model, layers, layout.recompute == "full", layout.pp, args.flash_attention)
+    trained = simulate(get_schedule("v-zb", layout.pp, layout.num_microbatches, costs), costs).makespan_total
+    fixed = v_zb["dp_exposed_s"] + times.optimizer
+    assert v_zb["iteration_time_s"] == pytest.approx(trained + fixed, rel=2e-3)
