@@ -245,6 +245,7 @@ def test_plot_schedule_png(tmp_path):
     assert len(colours) > 50
 
 
+@pytest.mark.slow  # matplotlib: seconds per picture; in the README's test command
 def test_plot_schedule_svg_and_looped(tmp_path):
     from megatron_vshape.schedules.export.render_plot import plot_schedule
 
