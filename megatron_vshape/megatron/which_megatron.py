@@ -41,7 +41,7 @@ def put_script_first(script: Path) -> None:
     directory = str(script.resolve().parent)
     if sys.path and not sys.flags.safe_path and sys.path[0] in ("", os.getcwd()):
         sys.path[0] = directory
-    else:
+    elif not sys.path or sys.path[0] != directory:
         sys.path.insert(0, directory)
     checkout = checkout_of(script)
     imported = sys.modules.get("megatron.core")
