@@ -71,7 +71,8 @@ def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout
 
 
 def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], timeout: float, cwd: Path = ROOT,
-                 attempts: int = 3, preload: bool = True) -> subprocess.CompletedProcess:
+                 attempts: int = 3, preload: bool = True, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
     """The ranks ``torchrun`` would start, forked from one interpreter that imported torch and Megatron
     (:func:`_run_ranks`): same environment, and like torchrun, the first rank that fails stops the
     others. Returns every rank's output, rank 0 first.
@@ -79,9 +80,11 @@ def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], tim
     torchrun's own process (an elastic agent that imports torch) costs about 3 s of CPU per launch, and
     each fresh rank about 8 s of imports: most of a tiny training run on 2 cores. The tests that launch
     many runs use this; the commands the README and the patch README give keep ``torchrun`` (:func:`torchrun`).
+    ``env``: the launch's environment (default :func:`cpu_env`).
     """
     def launch(port: int) -> subprocess.CompletedProcess:
-        ranks = _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd, stop_on_failure=True, preload=preload)
+        ranks = _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd, stop_on_failure=True, preload=preload,
+                           env=env)
         return subprocess.CompletedProcess([python, *entry, *args], ranks.returncode, ranks.stdout, "")
 
     return _on_free_ports(launch, attempts)
@@ -126,7 +129,7 @@ class Ranks:
 
 
 def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: float, cwd: Path,
-               stop_on_failure: bool, preload: bool = True) -> Ranks:
+               stop_on_failure: bool, preload: bool = True, env: dict[str, str] | None = None) -> Ranks:
     """One launch: every rank's (exit code, output), the ranks forked from one interpreter that imported
     torch and Megatron once (:mod:`megatron_vshape.testing.fork_ranks`). On the timeout the launch's
     process group is killed and the test fails; with ``stop_on_failure`` the first failed rank stops
@@ -139,7 +142,7 @@ def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: flo
         def outputs() -> tuple[str, ...]:
             return tuple(_read(Path(logs) / f"rank{rank}.log") for rank in range(nproc))
 
-        result = run_group(cmd, timeout, env=cpu_env(), cwd=cwd, output_on_timeout=lambda: "".join(outputs()))
+        result = run_group(cmd, timeout, env=env or cpu_env(), cwd=cwd, output_on_timeout=lambda: "".join(outputs()))
         ranks_output = outputs()
     try:
         codes = json.loads(result.stdout.strip().splitlines()[-1])["codes"]
