@@ -80,13 +80,14 @@ def installed_megatron_core() -> tuple[str, Path | None] | None:
     return dist.version, location.resolve() if location is not None else None
 
 
-def startup_line() -> str:
+def startup_line(core=None) -> str:
     """Which megatron runs: its version and where it was imported from; also the installed one where
-    that is another (imports megatron.core)."""
-    import megatron.core
+    that is another. ``core``: the ``megatron.core`` module (default: import it)."""
+    if core is None:
+        import megatron.core as core
 
-    version = getattr(megatron.core, "__version__", "unknown")
-    running = package_dir(megatron.core)
+    version = getattr(core, "__version__", "unknown")
+    running = package_dir(core)
     line = f"megatron {version} from {running}"
     installed = installed_megatron_core()
     if installed is None:
