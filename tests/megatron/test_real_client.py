@@ -16,9 +16,9 @@ load labels and the loss mask, which crashed V schedules before the executor nam
 
 Megatron-LM main (0.20.0 at d98e8a64) runs as its users run it: the runner on a writable copy of the
 checkout, in the interpreter that has megatron-core 0.19.2 installed too; the checkout's own megatron/
-must run (the start-up line names it) and build its C++ dataset helpers for this interpreter. The default
-run trains V-Half through its ``pretrain_gpt.py``; ``-m extended`` adds Megatron's own 1F1B on it (the
-same losses as on 0.19.2, which the default run is compared with) and every other schedule.
+must run (the start-up line names it) and build its C++ dataset helpers for this interpreter. With
+``-m extended`` every schedule trains through its ``pretrain_gpt.py`` like Megatron's own 1F1B on it, which
+gives the losses of 0.19.2's; the default tier's run on main is test_pretrain_cpu.py's V-ZB resume.
 """
 
 from __future__ import annotations
@@ -27,12 +27,17 @@ import os
 import re
 import shutil
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
-from core_versions import MAIN_VERSION
-from glue_support import LOSS, ROOT, cpu_env, launch_ranks, torchrun
+from glue_support import (
+    LOSS,
+    ROOT,
+    assert_runs_the_checkouts_megatron,
+    env_with_another_pythons_config,
+    launch_ranks,
+    torchrun,
+)
 
 from megatron_vshape.schedules import schedule_names
 
@@ -152,48 +157,16 @@ def test_patched_script_trains_a_v_schedule(mc19_python, patched_checkout, megat
 
 # --- Megatron-LM main (0.20.0 at d98e8a64), from a writable copy of its checkout ---------------------------
 
-# What a machine whose python3-config belongs to another Python says (the issue's had a 3.12 one next to
-# 3.11 ranks): Megatron's Makefile names the helpers' library after it, and the ranks cannot import it.
-WRONG_PYTHON_CONFIG = """#!/bin/sh
-case "$1" in --extension-suffix) echo .cpython-312-x86_64-linux-gnu.so;; *) exit 1;; esac
-"""
-
-
 @pytest.fixture(scope="module")
 def main_env(tmp_path_factory) -> dict[str, str]:
-    """The launches' environment with a python3-config of another Python first on PATH: the helpers must
-    be built for the running interpreter all the same."""
-    bin_dir = tmp_path_factory.mktemp("wrong-python-config")
-    (bin_dir / "python3-config").write_text(WRONG_PYTHON_CONFIG)
-    (bin_dir / "python3-config").chmod(0o755)
-    return cpu_env(PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
+    """The main launches' environment: another Python's python3-config first on PATH."""
+    return env_with_another_pythons_config(tmp_path_factory.mktemp("wrong-python-config"))
 
 
 def train_main(python: str, checkout: Path, schedule: str, env: dict[str, str], script: str = "pretrain_gpt.py") -> dict:
     """``train`` through the runner on the main checkout's script (forked ranks: their preload imports the
     checkout's megatron, as each rank would); the output is kept."""
     return train(python, ["-m", "megatron_vshape.run", str(checkout / script)], schedule, with_output=True, env=env)
-
-
-def assert_runs_the_checkouts_megatron(output: str, checkout: Path) -> None:
-    """Rank 0's start-up line names main's megatron from the checkout and the unused installed 0.19.2, and
-    the tested commit is recognised (no warning); the dataset helpers were built for this interpreter."""
-    lines = [line for line in output.splitlines() if line.startswith(" [vshape] megatron ")]
-    expected = (f" [vshape] megatron {MAIN_VERSION} from {checkout.resolve()}/megatron; "
-                f"the installed megatron-core 0.19.2 at ")
-    assert len(lines) == 1 and lines[0].startswith(expected) and lines[0].endswith(" is not used"), lines
-    assert "megatron-vshape warning" not in output, output[-3000:]
-    helpers = checkout / "megatron" / "core" / "datasets" / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"
-    assert helpers.is_file() and not list(helpers.parent.glob("helpers_cpp.cpython-312*")), sorted(helpers.parent.iterdir())
-
-
-@pytest.mark.timeout(RUN_TIMEOUT + 60)
-def test_runner_trains_v_half_on_megatron_main_from_its_checkout(mc19_python, megatron_main, main_env, megatron_1f1b):
-    """From the project's root, V-Half through main's own pretrain_gpt.py on main's megatron: Megatron's 1F1B
-    losses (0.19.2's here: main's own 1F1B gives the same, ``-m extended`` checks it)."""
-    losses = train_main(mc19_python, megatron_main, "v-half", main_env)
-    assert_runs_the_checkouts_megatron(losses["stdout"], megatron_main)
-    assert_same_losses(megatron_1f1b, losses)
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +183,10 @@ def test_megatron_1f1b_on_main_gives_the_losses_of_0_19(main_1f1b, megatron_1f1b
     assert_same_losses(megatron_1f1b, main_1f1b)
 
 
+# The default run on main is test_pretrain_cpu.py's V-ZB resume through main's pretrain_gpt.py.
 @pytest.mark.extended
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
-@pytest.mark.parametrize("schedule", [name for name in schedule_names() if name not in ("1f1b", "v-half")])
+@pytest.mark.parametrize("schedule", [name for name in schedule_names() if name != "1f1b"])
 def test_runner_trains_every_schedule_on_megatron_main(mc19_python, megatron_main, main_env, main_1f1b, schedule):
     losses = train_main(mc19_python, megatron_main, schedule, main_env)
     assert_runs_the_checkouts_megatron(losses["stdout"], megatron_main)

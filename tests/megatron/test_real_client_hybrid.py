@@ -30,14 +30,8 @@ import re
 from pathlib import Path
 
 import pytest
-from glue_support import LOSS, launch_ranks
-from test_real_client import (  # noqa: F401 (client_dir, main_env: fixtures)
-    EVAL_LOSS,
-    assert_runs_the_checkouts_megatron,
-    assert_same_losses,
-    client_dir,
-    main_env,
-)
+from glue_support import LOSS, assert_runs_the_checkouts_megatron, launch_ranks
+from test_real_client import EVAL_LOSS, assert_same_losses, client_dir, main_env  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
