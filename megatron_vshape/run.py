@@ -57,8 +57,9 @@ def run_as_main(script: Path) -> None:
     A child started with multiprocessing's ``spawn`` re-executes the parent's main *file* (its imports
     included) unless the main module's spec is named ``__main__``. Megatron's checkpoint writer starts
     such a child (a ``Manager``): re-running Megatron-LM's ``pretrain_*.py`` there imports
-    megatron.training without our Python 3.11 bridge (``typing.override``) and fails the first save.
-    The children need nothing from the script, so the spec says ``__main__`` and they skip it.
+    megatron.training without our Python 3.11 bridge (``typing.override``) and fails the first save (on
+    3.12 it would only import everything again, for nothing). The children need nothing from the
+    script, so the spec says ``__main__`` and they skip it.
     """
     import importlib.machinery
 

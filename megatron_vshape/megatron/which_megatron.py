@@ -39,7 +39,8 @@ def put_script_first(script: Path) -> None:
     script's checkout: the run would silently train on another megatron.
     """
     directory = str(script.resolve().parent)
-    if sys.path and not sys.flags.safe_path and sys.path[0] in ("", os.getcwd()):
+    safe_path = getattr(sys.flags, "safe_path", False)  # python -P (3.11+): nothing was put first
+    if sys.path and not safe_path and sys.path[0] in ("", os.getcwd()):
         sys.path[0] = directory
     elif not sys.path or sys.path[0] != directory:
         sys.path.insert(0, directory)
