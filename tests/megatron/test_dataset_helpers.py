@@ -56,6 +56,7 @@ def test_a_wheel_without_helpers_for_this_python_says_so(tmp_path, monkeypatch):
                                          "this Python")
 
 
+@pytest.mark.slow  # runs a (failing) compiler process
 def test_a_failed_build_ends_with_one_line_and_leaves_no_library(unbuilt, monkeypatch, capsys):
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     with pytest.raises(SystemExit) as caught:
