@@ -45,6 +45,9 @@ class TestedVersion:
         return self.version if self.commit is None else f"{self.version} (main at {self.commit})"
 
 
+# main's fingerprint covers the modules PATCHES names: an entry for another module changes it, and CI (which
+# asserts main is recognised) then asks for main to be tested again. Recompute on a copy of that checkout:
+#   PYTHONPATH=/copy/of/Megatron-LM python -c "from megatron_vshape.megatron.patches import source_fingerprint as f; print(f())"
 TESTED = (
     TestedVersion("0.16.1"),
     TestedVersion("0.19.2"),
