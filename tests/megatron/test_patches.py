@@ -80,8 +80,7 @@ def test_table_matches_the_other_supported_megatron_core(other_core_python):
     assert len(table["rows"]) >= 8 and all(problem is None for _, _, problem in table["rows"]), table["rows"]
 
 
-# The table on Megatron-LM main, imported from its checkout by the runner: test_runner_cli.py (one interpreter
-# for both checks).
+# The table on Megatron-LM main, imported from its checkout by the runner: test_megatron_main.py.
 
 
 def test_main_is_tested_by_its_files_not_by_its_version():

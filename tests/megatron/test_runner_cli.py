@@ -1,14 +1,11 @@
 """The runner's own command line: one-line errors, exit code 2, before any training starts."""
 
-import json
 import subprocess
 import sys
 
 import pytest
-from core_versions import MAIN_VERSION, require_interpreter
+from core_versions import require_interpreter
 from glue_support import ROOT, cpu_env
-
-from megatron_vshape.megatron.patches import PATCHES
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -52,38 +49,3 @@ def test_help_lists_our_flags_and_which_schedules_keep_megatrons_functions(mc19_
     assert "1f1b (one-forward-one-backward (Megatron's default); runs on Megatron's own function)" in text
     assert "v-half (V placement, about 1/2 of 1F1B's activation memory; runs on megatron-vshape executor)" in text
 
-
-PROBE = """
-import json, sys
-import megatron.core, megatron.training
-from megatron_vshape.megatron.patches import PATCHES, problem, tested_as
-tested = tested_as(megatron.core.__version__)
-print("PROBE" + json.dumps({"core": megatron.core.__file__, "training": megatron.training.__file__,
-                            "path0": sys.path[0], "argv": sys.argv, "tested": None if tested is None else str(tested),
-                            "problems": [problem(p) for p in PATCHES]}))
-"""
-
-
-def test_runner_runs_the_scripts_own_megatron_from_any_working_directory(mc19_python, megatron_main, tmp_path):
-    """As ``python script.py`` would: the checkout next to the script is imported (Megatron-LM main), not the
-    installed megatron-core 0.19.2, launched from an unrelated directory; rank 0's start-up line says so.
-    On that megatron every entry of the patch table matches, and the tree is the tested commit."""
-    script = megatron_main / "probe_megatron.py"
-    script.write_text(PROBE)
-    elsewhere = tmp_path / "elsewhere"
-    (elsewhere / "megatron" / "core").mkdir(parents=True)  # a megatron/ in the working directory must not count
-    (elsewhere / "megatron" / "core" / "__init__.py").write_text("raise ImportError('the working directory')\n")
-    result = subprocess.run([mc19_python, "-m", "megatron_vshape.run", str(script), "--flag"], capture_output=True,
-                            text=True, timeout=120, cwd=elsewhere, env=cpu_env())
-    assert result.returncode == 0, result.stderr[-3000:]
-    probe = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("PROBE"))[len("PROBE"):])
-    checkout = megatron_main.resolve()
-    assert probe["core"] == str(checkout / "megatron" / "core" / "__init__.py")
-    assert probe["training"] == str(checkout / "megatron" / "training" / "__init__.py")
-    assert probe["path0"] == str(checkout) and probe["argv"] == [str(script), "--flag"]
-    line = next(line for line in result.stdout.splitlines() if line.startswith(" [vshape] megatron "))
-    assert line.startswith(f" [vshape] megatron {MAIN_VERSION} from {checkout}/megatron; the installed megatron-core "
-                           "0.19.2 at ") and line.endswith(" is not used"), line
-    assert probe["tested"] == "0.20.0 (main at d98e8a64)"
-    assert probe["problems"] == [None] * len(PATCHES), [(p.module, p.attribute, why)
-                                                        for p, why in zip(PATCHES, probe["problems"]) if why]
