@@ -3,18 +3,22 @@
     torchrun --nproc-per-node 8 -m megatron_vshape.run path/to/Megatron-LM/pretrain_gpt.py \\
         --pipeline-schedule v-half --pipeline-model-parallel-size 8 ...(the script's usual flags)
 
-The runner hooks megatron.training's argument parsing (:func:`megatron_vshape.megatron.install.hook_arguments`):
-our flags join the script's, our checks run before Megatron's ``validate_args`` (one-line error,
-exit 2, on every rank), and :func:`megatron_vshape.install` runs right after it. Then the script runs
-as ``__main__`` with its own directory first on ``sys.path``, exactly as ``python script.py`` would.
+The script's directory goes first on ``sys.path`` before anything imports megatron, exactly as
+``python script.py`` would: a Megatron-LM checkout's own ``megatron/`` runs, not an installed
+megatron-core (:mod:`megatron_vshape.megatron.which_megatron`; rank 0 prints which one runs, and from
+where). The runner then hooks megatron.training's argument parsing
+(:func:`megatron_vshape.megatron.install.hook_arguments`): our flags join the script's, our checks run
+before Megatron's ``validate_args`` (one-line error, exit 2, on every rank), and
+:func:`megatron_vshape.install` runs right after it. Then the script runs as ``__main__``.
 It works with scripts that call ``parse_and_validate_args(extra_args_provider=...)`` (Megatron-LM with
-megatron-core 0.19.x) and with older ones that pass ``extra_args_provider`` to ``pretrain()``. Needs
-megatron-core >= 0.19 (``megatron.training``).
+megatron-core 0.19.x and main) and with older ones that pass ``extra_args_provider`` to ``pretrain()``.
+Needs megatron.training: megatron-core >= 0.19, or a Megatron-LM checkout.
 
 With a V schedule, the script's model provider must forward ``pg_collection`` to GPTModel (Megatron-LM's
 does). Rank 0 holds both the first and the last stage: while a chunk runs, install() makes
 ``mpu.is_pipeline_first_stage/last_stage`` answer for that chunk, with or without ``vp_stage``.
-Tested with Megatron-LM's own ``pretrain_gpt.py`` (tag core_v0.19.0), unmodified.
+Tested with Megatron-LM's own ``pretrain_gpt.py`` and ``pretrain_hybrid.py``, unmodified: tag core_v0.19.0
+against the installed megatron-core 0.19.2, and main at d98e8a64 with its own ``megatron/`` (0.20.0).
 """
 
 from __future__ import annotations
@@ -34,11 +38,15 @@ def main(argv: list[str] | None = None) -> None:
     if not script.is_file():
         print(f"megatron-vshape error: {USAGE}; no such script: {script}", file=sys.stderr)
         raise SystemExit(2)
+    from megatron_vshape.megatron.arguments import exit_on_error
+    from megatron_vshape.megatron.which_megatron import put_script_first
+
+    # Before anything imports megatron: the script's own checkout, if it has one, is the megatron that runs.
+    exit_on_error(put_script_first, script)
     from megatron_vshape.megatron.install import hook_arguments
 
     hook_arguments()
     sys.argv = [str(script), *argv[1:]]
-    sys.path.insert(0, str(script.resolve().parent))
     run_as_main(script)
     shutdown_distributed()
 
@@ -49,8 +57,9 @@ def run_as_main(script: Path) -> None:
     A child started with multiprocessing's ``spawn`` re-executes the parent's main *file* (its imports
     included) unless the main module's spec is named ``__main__``. Megatron's checkpoint writer starts
     such a child (a ``Manager``): re-running Megatron-LM's ``pretrain_*.py`` there imports
-    megatron.training without our Python 3.11 bridge (``typing.override``) and fails the first save.
-    The children need nothing from the script, so the spec says ``__main__`` and they skip it.
+    megatron.training without our Python 3.11 bridge (``typing.override``) and fails the first save (on
+    3.12 it would only import everything again, for nothing). The children need nothing from the
+    script, so the spec says ``__main__`` and they skip it.
     """
     import importlib.machinery
 

@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
-from core_versions import other_minor, require_interpreter
+from core_versions import copy_main_checkout, other_minor, require_interpreter
 from hypothesis import HealthCheck, settings
 
 # Property tests draw the same examples on every run (derandomized), so the suite's time and
@@ -52,6 +52,12 @@ def other_core_python() -> str:
     """An interpreter with the supported megatron-core version this one lacks ($VSHAPE_MC16_PYTHON or
     $VSHAPE_MC19_PYTHON), for the checks that must hold on both."""
     return require_interpreter(other_minor())
+
+
+@pytest.fixture(scope="session")
+def megatron_main(tmp_path_factory) -> Path:
+    """A writable copy of the Megatron-LM main checkout (0.20.0 at d98e8a64), made once per test process."""
+    return copy_main_checkout(tmp_path_factory.mktemp("megatron-lm-main") / "Megatron-LM")
 
 
 # The longest files of a CI run (each 1.5-5 minutes of a 2-core machine: Megatron training launches,

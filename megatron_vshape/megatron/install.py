@@ -19,6 +19,9 @@ What it does, in order (idempotent; every step is a documented replacement of a 
    on to GPTModel (megatron.training 0.19's ``get_model`` hands one to every provider call).
    Chunk-level first/last-stage questions to ``parallel_state`` (``vp_stage`` given) answer for the V.
 4. The B/W split of the linear layers is switched on by the executor itself (``runtime.wgrad``).
+5. Megatron's C++ dataset helpers are built for the running Python (:mod:`.dataset_helpers`).
+
+Rank 0 first prints which megatron runs, and from where (:mod:`.which_megatron`).
 
 :func:`hook_arguments` lets an *unmodified* entry script get all of this: it chains our flags into
 ``parse_args`` and runs our checks before Megatron's ``validate_args`` and ``install`` after it.
@@ -34,13 +37,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import hybrid_pattern, pipeline_layout
+from . import dataset_helpers, hybrid_pattern, pipeline_layout
 from .arguments import add_arguments, exit_on_error, validate
 from .checks import watchdog_seconds
 from .flags import AUTO_SCHEDULE, MEGATRON_OWN_SCHEDULES, V_SCHEDULE_NAMES
 from .model_chunks import v_stage_predicates, wrap_model_construction
 from .patches import Group as PatchGroup
 from .patches import check as check_patches
+from .which_megatron import print_startup_line
 
 _INSTALLED = "_vshape_installed"
 
@@ -61,7 +65,9 @@ def install(args: argparse.Namespace) -> None:
         from .training_cpu import enable_training_cpu_mode
 
         enable_training_cpu_mode()
+    print_startup_line()  # which megatron runs, and from where (rank 0)
     check_patches(PatchGroup.GPU, PatchGroup.WGRAD)  # before replacing anything: one line, not a silent mismatch
+    dataset_helpers.install()  # built for this Python, or one line naming what the build lacks (every rank)
     if args.pipeline_schedule in V_SCHEDULE_NAMES and getattr(args, "virtual_pipeline_model_parallel_size", 0) is None:
         # Called after Megatron's validate_args without hook_arguments(): it derived no virtual
         # pipeline, because validate() set --num-virtual-stages-per-pipeline-rank 2 only now.
@@ -92,6 +98,7 @@ def hook_arguments() -> None:
     from .training_cpu import require_megatron_training
 
     require_megatron_training()
+    print_startup_line()  # as soon as megatron is imported: which one runs, and from where (rank 0)
     from megatron.training import arguments
 
     if getattr(arguments.parse_args, "_vshape", False):

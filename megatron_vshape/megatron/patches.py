@@ -6,20 +6,55 @@ compares it with the running Megatron before anything is replaced, so a rename o
 in a new megatron-core stops start-up with one line naming the attribute, instead of a wrapper that
 silently passes the wrong arguments or never runs.
 
+A version the table fits but CI has not tested gets a one-line warning naming the tested ones.
+
 To support a new megatron-core: run ``tests/megatron/test_patches.py`` on it, fix the wrappers whose
-entry fails, update the entry, and add the version to ``TESTED_VERSIONS``.
+entry fails, update the entry, and add the version to ``TESTED``.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from .flags import ConfigError
 
-TESTED_VERSIONS = ("0.16.1", "0.19.2")
+
+@dataclass(frozen=True)
+class TestedVersion:
+    """A megatron CI tests: a release by its version, or a commit of Megatron-LM main by its files.
+
+    main carries the version of its next release (``package_info`` said 0.20.0 at d98e8a64, long before a
+    0.20.0 release), so the version alone would bless that release untested. A commit is recognised by
+    :func:`source_fingerprint`: the files of every module the table names, byte for byte. A git checkout's
+    version also carries ``+<short hash>``; a copy without ``.git`` does not, so the files decide.
+    """
+
+    version: str  # megatron.core.__version__ without its local part (``+<git hash>``)
+    commit: str | None = None  # Megatron-LM main at this commit (a pre-release)
+    fingerprint: str | None = None  # source_fingerprint() at that commit
+
+    def __str__(self) -> str:
+        return self.version if self.commit is None else f"{self.version} (main at {self.commit})"
+
+
+# main's fingerprint covers the modules PATCHES names: an entry for another module changes it, and CI (which
+# asserts main is recognised) then asks for main to be tested again. Recompute on a copy of that checkout:
+#   PYTHONPATH=/copy/of/Megatron-LM python -c "from megatron_vshape.megatron.patches import source_fingerprint as f; print(f())"
+TESTED = (
+    TestedVersion("0.16.1"),
+    TestedVersion("0.19.2"),
+    TestedVersion("0.20.0", commit="d98e8a64",
+                  fingerprint="93c4321d12356a4907bd30327b4a285d9872b4b471904ca4f931f251caf68c42"),
+)
+TESTED_VERSIONS = tuple(str(tested) for tested in TESTED)
 
 
 class Match(enum.Enum):
@@ -77,7 +112,7 @@ PATCHES: tuple[Patch, ...] = (
           Match.CONTAINS),
     Patch("megatron.training.training", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,
           Match.CONTAINS),
-    Patch("megatron.core.datasets.utils", "compile_helpers", (), Group.TRAINING_CPU),
+    Patch("megatron.core.datasets.utils", "compile_helpers", (), Group.GPU),  # dataset_helpers.install()
     Patch("megatron.training.arguments", "get_device_arch_version", (), Group.TRAINING_CPU),
     Patch("megatron.training.models.hybrid", "HybridModelBuilder.build_model",
           ("self", "pg_collection", "pre_process", "post_process", "vp_stage"), Group.HYBRID),
@@ -95,6 +130,40 @@ def _megatron_version() -> str:
     import megatron.core
 
     return getattr(megatron.core, "__version__", "unknown")
+
+
+def source_fingerprint() -> str:
+    """sha256 over the source files of the modules the table names, in the running megatron's tree.
+
+    Found by path, not imported: the same files give the same answer whatever has been imported so far.
+    """
+    import megatron.core
+
+    root = Path(megatron.core.__file__).resolve().parents[2]  # the directory that holds megatron/
+    digest = hashlib.sha256()
+    for module in sorted({patch.module for patch in PATCHES}):
+        base = root.joinpath(*module.split("."))
+        source = next((path for path in (base.with_suffix(".py"), base / "__init__.py") if path.is_file()), None)
+        digest.update(module.encode() + b"\0" + (source.read_bytes() if source is not None else b"") + b"\0")
+    return digest.hexdigest()
+
+
+def tested_as(version: str, fingerprint=source_fingerprint) -> TestedVersion | None:
+    """The entry of ``TESTED`` the running megatron is (None: untested). ``fingerprint`` is called only
+    for a version whose tested entry is a commit of main."""
+    release = version.split("+")[0]
+    for tested in TESTED:
+        if tested.version == release and (tested.fingerprint is None or fingerprint() == tested.fingerprint):
+            return tested
+    return None
+
+
+def untested_warning(version: str) -> str | None:
+    """The one line for a megatron the table fits but CI has not tested (None when it was tested)."""
+    if tested_as(version) is not None:
+        return None
+    return (f"megatron-vshape warning: megatron-core {version} is untested (tested: {', '.join(TESTED_VERSIONS)}); "
+            "every Megatron attribute megatron-vshape replaces matches it")
 
 
 def _resolve(patch: Patch):
@@ -137,10 +206,21 @@ def problem(patch: Patch) -> str | None:
 
 
 def check(*groups: Group) -> None:
-    """Raise :class:`PatchError` (one line) on the first entry of ``groups`` the running Megatron breaks."""
+    """Raise :class:`PatchError` (one line) on the first entry of ``groups`` the running Megatron breaks.
+
+    When every entry fits a version CI has not tested, rank 0 prints :func:`untested_warning` (once).
+    """
     for patch in PATCHES:
         if patch.group in groups:
             why = problem(patch)
             if why is not None:
                 raise PatchError(f"megatron-core {_megatron_version()} is not supported: {why} "
                                  f"(megatron-vshape is tested with megatron-core {', '.join(TESTED_VERSIONS)})")
+    _warn_if_untested()
+
+
+@functools.cache  # once per process
+def _warn_if_untested() -> None:
+    warning = untested_warning(_megatron_version())
+    if warning is not None and os.environ.get("RANK", "0") == "0":
+        print(warning, file=sys.stderr, flush=True)

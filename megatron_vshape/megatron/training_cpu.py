@@ -10,14 +10,13 @@
 * With ``torch.cuda.device_count() == 0`` it *silently* skips model-parallel initialisation and the
   model-parallel RNG seeding (the run dies much later with "pipeline_model parallel group is not
   initialized"): in CPU mode the process counts as one device (``set_device`` is inert).
-* Dataset index helpers are "compiled" with ``make`` on rank 0, but the wheel ships no Makefile; the
-  prebuilt ``helpers_cpp`` extension works, so compilation is skipped when it imports.
 * ``get_device_arch_version()`` (TP > 1 or CP > 1) reads CUDA device properties: answer 0 ("no
   Blackwell features"); ``validate_args`` then wants ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which we set.
 
-:func:`patch_python_compat` is separate and CUDA-free: megatron.training 0.19 imports
-``typing.override`` (Python 3.12+); on 3.11 ``typing_extensions`` provides it. Every entry point calls
-it before importing ``megatron.training``.
+:func:`patch_python_compat` is separate and CUDA-free: megatron.training (0.19, main) imports
+``typing.override``, new in Python 3.12; on 3.11 ``typing_extensions`` provides it
+(:mod:`megatron_vshape.python_compat`; nothing to do on 3.12). Every entry point calls it before
+importing ``megatron.training``.
 
 Everything here changes process-wide state on purpose and only in processes that run with --cpu.
 """
@@ -27,33 +26,39 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import typing
+
+from megatron_vshape.python_compat import bridge_typing_override
 
 _training_enabled = False
 
 
 def patch_python_compat() -> None:
-    """Make megatron.training 0.19.x importable on Python 3.11 (idempotent, no torch import)."""
-    if not hasattr(typing, "override"):
-        import typing_extensions
-
-        typing.override = typing_extensions.override
+    """Make megatron.training importable on Python 3.11 (idempotent, no torch import; nothing on 3.12+)."""
+    bridge_typing_override()
 
 
 def require_megatron_training():
-    """Import ``megatron.training`` or exit with one line saying which megatron-core it needs."""
-    patch_python_compat()
+    """Import ``megatron.training`` or exit with one line saying what is missing."""
+    if not bridge_typing_override():
+        _exit("megatron.training imports typing.override, which Python 3.11 has only from typing_extensions: "
+              "pip install typing_extensions")
+    try:
+        import megatron.core
+    except ImportError as err:
+        _exit(f"no megatron to run ({err}): install megatron-core (pip install megatron-core==0.19.2), or run "
+              "a script of a Megatron-LM checkout (its directory holds megatron/)")
     try:
         import megatron.training as training
     except ImportError as err:
-        import megatron.core
-
         version = getattr(megatron.core, "__version__", "?")
-        print(f"megatron-vshape error: megatron.training is missing (megatron-core {version}: {err}); "
-              "pretrain_gpt.py and the runner need megatron-core >= 0.19 (pip install megatron-core==0.19.2)",
-              file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _exit(f"megatron.training is missing (megatron-core {version}: {err}); pretrain_gpt.py and the runner "
+              "need megatron-core >= 0.19 (pip install megatron-core==0.19.2) or a Megatron-LM checkout")
     return training
+
+
+def _exit(message: str):
+    print(f"megatron-vshape error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
 
 
 def enable_training_cpu_mode() -> None:
@@ -74,7 +79,6 @@ def enable_training_cpu_mode() -> None:
     enable_cpu_mode()
     _count_cpu_as_one_device()
     _allow_no_cuda_in_initialize()
-    _skip_helper_compilation()
     _no_device_arch()
     _training_enabled = True
 
@@ -97,16 +101,6 @@ def _allow_no_cuda_in_initialize() -> None:
 
     initialize.initialize_megatron = initialize_megatron
     training.initialize_megatron = initialize_megatron  # pretrain() imported it by name
-
-
-def _skip_helper_compilation() -> None:
-    from megatron.core.datasets import utils
-
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401  (prebuilt in the wheel)
-    except ImportError:
-        return  # keep megatron's own compile step; it reports its own error
-    utils.compile_helpers = lambda: None
 
 
 def _no_device_arch() -> None:

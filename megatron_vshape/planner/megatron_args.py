@@ -81,13 +81,9 @@ def subset_parser() -> argparse.ArgumentParser:
 @functools.cache
 def megatron_parser() -> tuple[argparse.ArgumentParser, str]:
     """Megatron-LM's parser and its name, or the subset parser where megatron.training is missing."""
-    import typing
-    if not hasattr(typing, "override"):  # megatron.training 0.19 on Python 3.11, as training_cpu.patch_python_compat
-        try:
-            import typing_extensions
-            typing.override = typing_extensions.override
-        except ImportError:
-            pass
+    from megatron_vshape.python_compat import bridge_typing_override
+
+    bridge_typing_override()  # megatron.training imports typing.override (Python 3.12+); on 3.11 the bridge gives it
     try:
         from megatron.training.arguments import add_megatron_arguments
     except ImportError as error:

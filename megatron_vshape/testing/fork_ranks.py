@@ -38,11 +38,32 @@ from .spawn import TORCH_AND_MEGATRON
 # first anyway (training_cpu.patch_python_compat); an environment without it (megatron-core 0.16)
 # preloads what it has and lets the entry report the rest.
 PRELOAD = (*TORCH_AND_MEGATRON, "megatron.training")
+RUNNER = "megatron_vshape.run"
 
 
-def preload() -> None:
+def entry_script(entry: list[str]) -> str | None:
+    """The training script ENTRY runs: ``script.py``, or the script given to the runner (``-m megatron_vshape.run
+    script.py``); None for another module."""
+    if entry[0] != "-m":
+        return entry[0]
+    if entry[1] == RUNNER and len(entry) > 2:
+        return entry[2]
+    return None
+
+
+def preload(entry: list[str]) -> None:
+    """Import what every rank would, from where the rank would: the entry script's directory first.
+
+    ``python script.py`` (and the runner) import megatron from the script's directory when it holds a
+    Megatron-LM checkout. Preloading from the test's environment instead would give every rank the
+    installed megatron-core already imported, and a check meant for the checkout would test the
+    installed version again.
+    """
     from megatron_vshape.megatron.training_cpu import patch_python_compat
 
+    script = entry_script(entry)
+    if script is not None:  # as run_rank() and the runner set it: the script's directory replaces ours
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
     patch_python_compat()
     with warnings.catch_warnings():  # each rank's log keeps its own warnings only
         warnings.simplefilter("ignore")
@@ -94,7 +115,7 @@ def run_rank(rank: int, nproc: int, port: int, log_path: str, entry: list[str]) 
 def launch(nproc: int, port: int, log_dir: str, stop_on_failure: bool, entry: list[str],
            preload_first: bool = True) -> list[int | None]:
     if preload_first:
-        preload()
+        preload(entry)
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
 import time
 import traceback
 
@@ -26,6 +28,8 @@ def free_port() -> int:
 TORCH_AND_MEGATRON = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
                       "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 PRELOAD = (*TORCH_AND_MEGATRON, "megatron_vshape.runtime.executor", "megatron_vshape.testing.tiny_gpt")
+# This process's sys.path, for the fork server while it starts (testing/forkserver_path.py says why).
+FORKSERVER_SYS_PATH = "VSHAPE_FORKSERVER_SYS_PATH"
 
 
 def _context(backend: str):
@@ -35,7 +39,8 @@ def _context(backend: str):
     if backend == "nccl":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (first call), ignored after
+    # read when the server starts (first call), ignored after; forkserver_path first: the caller's sys.path
+    ctx.set_forkserver_preload(["megatron_vshape.testing.forkserver_path", *PRELOAD])
     return ctx
 
 
@@ -98,9 +103,10 @@ def _spawn_once(fn, world_size: int, args: tuple, timeout: float, backend: str =
     ctx = _context(backend)
     queue = ctx.Queue()
     port = free_port()
-    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE")}
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE", FORKSERVER_SYS_PATH)}
     os.environ.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")  # children (and the fork server) inherit
-    environ = dict(os.environ)
+    os.environ[FORKSERVER_SYS_PATH] = json.dumps(sys.path)  # the server imports megatron from where we do
+    environ = {k: v for k, v in os.environ.items() if k != FORKSERVER_SYS_PATH}  # the ranks' own environment
     procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, queue, backend, environ),
                          daemon=True) for r in range(world_size)]
     try:

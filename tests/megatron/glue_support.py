@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sysconfig
 import tempfile
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -71,7 +72,8 @@ def torchrun(python: str, nproc: int, entry: list[str], args: list[str], timeout
 
 
 def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], timeout: float, cwd: Path = ROOT,
-                 attempts: int = 3, preload: bool = True) -> subprocess.CompletedProcess:
+                 attempts: int = 3, preload: bool = True, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
     """The ranks ``torchrun`` would start, forked from one interpreter that imported torch and Megatron
     (:func:`_run_ranks`): same environment, and like torchrun, the first rank that fails stops the
     others. Returns every rank's output, rank 0 first.
@@ -79,9 +81,11 @@ def launch_ranks(python: str, nproc: int, entry: list[str], args: list[str], tim
     torchrun's own process (an elastic agent that imports torch) costs about 3 s of CPU per launch, and
     each fresh rank about 8 s of imports: most of a tiny training run on 2 cores. The tests that launch
     many runs use this; the commands the README and the patch README give keep ``torchrun`` (:func:`torchrun`).
+    ``env``: the launch's environment (default :func:`cpu_env`).
     """
     def launch(port: int) -> subprocess.CompletedProcess:
-        ranks = _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd, stop_on_failure=True, preload=preload)
+        ranks = _run_ranks(python, nproc, [*entry, *args], port, timeout, cwd, stop_on_failure=True, preload=preload,
+                           env=env)
         return subprocess.CompletedProcess([python, *entry, *args], ranks.returncode, ranks.stdout, "")
 
     return _on_free_ports(launch, attempts)
@@ -126,7 +130,7 @@ class Ranks:
 
 
 def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: float, cwd: Path,
-               stop_on_failure: bool, preload: bool = True) -> Ranks:
+               stop_on_failure: bool, preload: bool = True, env: dict[str, str] | None = None) -> Ranks:
     """One launch: every rank's (exit code, output), the ranks forked from one interpreter that imported
     torch and Megatron once (:mod:`megatron_vshape.testing.fork_ranks`). On the timeout the launch's
     process group is killed and the test fails; with ``stop_on_failure`` the first failed rank stops
@@ -139,7 +143,7 @@ def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: flo
         def outputs() -> tuple[str, ...]:
             return tuple(_read(Path(logs) / f"rank{rank}.log") for rank in range(nproc))
 
-        result = run_group(cmd, timeout, env=cpu_env(), cwd=cwd, output_on_timeout=lambda: "".join(outputs()))
+        result = run_group(cmd, timeout, env=env or cpu_env(), cwd=cwd, output_on_timeout=lambda: "".join(outputs()))
         ranks_output = outputs()
     try:
         codes = json.loads(result.stdout.strip().splitlines()[-1])["codes"]
@@ -159,13 +163,41 @@ GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
 
 
 def launch_each(python: str, nproc: int, launches: dict[str, tuple[list[str], list[str]]], timeout: float,
-                via_torchrun: Collection[str] = ()) -> dict[str, str]:
-    """Launch every ``name: (entry, args)`` in order (:func:`launch_ranks`; under ``torchrun`` the names in
-    ``via_torchrun``); return each one's output (a failed launch fails the test)."""
+                via_torchrun: Collection[str] = (), env: dict[str, str] | None = None) -> dict[str, str]:
+    """Launch every ``name: (entry, args)`` in order (:func:`launch_ranks`, in ``env``; under ``torchrun``
+    the names in ``via_torchrun``); return each one's output (a failed launch fails the test)."""
     out = {}
     for name, (entry, args) in launches.items():
-        launcher = torchrun if name in via_torchrun else launch_ranks
-        result = launcher(python, nproc, entry, args, timeout=timeout)
+        result = (torchrun(python, nproc, entry, args, timeout=timeout) if name in via_torchrun
+                  else launch_ranks(python, nproc, entry, args, timeout=timeout, env=env))
         assert result.returncode == 0, f"{name}:\n{result.stdout[-5000:]}"
         out[name] = result.stdout
     return out
+
+
+# --- Megatron-LM main (0.20.0 at d98e8a64) from a writable copy of its checkout (the megatron_main fixture) ---
+
+# What a machine whose python3-config belongs to another Python says (the issue's had a 3.12 one next to
+# 3.11 ranks): Megatron's Makefile names the dataset helpers' library after it, and the ranks cannot import it.
+WRONG_PYTHON_CONFIG = """#!/bin/sh
+case "$1" in --extension-suffix) echo .cpython-312-x86_64-linux-gnu.so;; *) exit 1;; esac
+"""
+
+
+def env_with_another_pythons_config(bin_dir: Path) -> dict[str, str]:
+    """:func:`cpu_env` with a python3-config of another Python first on PATH (written into ``bin_dir``): the
+    dataset helpers must be built for the running interpreter all the same."""
+    (bin_dir / "python3-config").write_text(WRONG_PYTHON_CONFIG)
+    (bin_dir / "python3-config").chmod(0o755)
+    return cpu_env(PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
+
+
+def assert_runs_the_checkouts_megatron(output: str, checkout: Path, version: str = "0.20.0") -> None:
+    """Rank 0's start-up line names main's megatron from ``checkout`` and the unused installed 0.19.2, the
+    tested commit is recognised (no warning), and the dataset helpers were built for this interpreter."""
+    lines = [line for line in output.splitlines() if line.startswith(" [vshape] megatron ")]
+    expected = f" [vshape] megatron {version} from {checkout.resolve()}/megatron; the installed megatron-core 0.19.2 at "
+    assert len(lines) == 1 and lines[0].startswith(expected) and lines[0].endswith(" is not used"), lines
+    assert "megatron-vshape warning" not in output, output[-3000:]
+    helpers = checkout / "megatron" / "core" / "datasets" / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"
+    assert helpers.is_file() and not list(helpers.parent.glob("helpers_cpp.cpython-312*")), sorted(helpers.parent.iterdir())

@@ -135,3 +135,31 @@ def test_forked_ranks_run_their_entry_as_python_would(tmp_path):
     module = glue_support.launch_ranks(sys.executable, 1, ["-m", "json.tool", "--help"], [], timeout=60,
                                        preload=False)
     assert module.returncode == 0 and "usage:" in module.stdout and "json.tool" in module.stdout
+
+
+def test_the_entry_script_is_found_for_scripts_and_the_runner():
+    from megatron_vshape.testing.fork_ranks import entry_script
+
+    assert entry_script(["train.py", "--x"]) == "train.py"
+    assert entry_script(["-m", "megatron_vshape.run", "ckpt/pretrain_gpt.py", "--x"]) == "ckpt/pretrain_gpt.py"
+    assert entry_script(["-m", "json.tool"]) is None
+
+
+CHECKOUT_PROBE = """
+import json, sys
+print(json.dumps({"core": sys.modules["megatron.core"].__file__, "version": sys.modules["megatron.core"].__version__}))
+"""
+
+
+@pytest.mark.slow
+def test_forked_ranks_preload_the_megatron_of_the_scripts_checkout(tmp_path):
+    """A script next to a megatron/ package gets that one preloaded, not the installed megatron-core: every
+    rank would import it from there (``sys.path[0]``), and a preloaded module is never imported again."""
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    (tmp_path / "megatron" / "core" / "__init__.py").write_text("__version__ = 'checkout'\n")
+    script = tmp_path / "probe_checkout.py"
+    script.write_text(CHECKOUT_PROBE)
+    result = glue_support.launch_ranks(sys.executable, 1, [str(script)], [], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {"core": str(tmp_path / "megatron" / "core" / "__init__.py"),
+                                                          "version": "checkout"}

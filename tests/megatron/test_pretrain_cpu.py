@@ -3,10 +3,11 @@
 The issue's acceptance run (a tiny GPT, 5 iterations, dropout 0.1) with Megatron's own 1F1B and with V-Half:
 every iteration's lm loss must agree to 1e-5, since a schedule must not change the maths (schedule-invariant
 dropout and initialisation are on by default). V-Half's checkpoint then resumes under V-ZB with
-``--pipeline-layout balanced`` through the runner and Megatron-LM's own unmodified pretrain_gpt.py
-(checkpoint portability across schedules and layer layouts; without a Megatron-LM checkout these tests skip
-like test_real_client.py's, and fail under CI), and, in the extended tier, under Megatron's 1F1B (the looped
-placement). The vocabulary (1024) makes the LM head worth several layers, so the balanced layout really
+``--pipeline-layout balanced`` through the runner and Megatron-LM main's own unmodified pretrain_gpt.py on
+its own megatron (0.20.0 at d98e8a64, from a writable copy of the checkout, next to the installed 0.19.2 that
+saved it): checkpoint portability across schedules, layer layouts and an upgrade of Megatron, and the
+default tier's run of main's script (without a main checkout these tests skip, and fail under CI). In the
+extended tier it also resumes under Megatron's 1F1B (the looped placement). The vocabulary (1024) makes the LM head worth several layers, so the balanced layout really
 moves layers. Each launch costs ~20-45 s on 2 cores, so the three launches are shared by the tests (V-Half's
 also re-plans from measured costs).
 """
@@ -15,8 +16,15 @@ import json
 import re
 
 import pytest
-from glue_support import GRAD_NORM, LOSS, ROOT, launch_each, run_ranks_by_hand
-from test_real_client import client_dir  # noqa: F401 (fixture: the Megatron-LM checkout, skipped without one)
+from glue_support import (
+    GRAD_NORM,
+    LOSS,
+    ROOT,
+    assert_runs_the_checkouts_megatron,
+    env_with_another_pythons_config,
+    launch_each,
+    run_ranks_by_hand,
+)
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -43,7 +51,7 @@ def losses(output: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def runs(mc19_python, client_dir, tmp_path_factory):  # noqa: F811 (the imported fixture)
+def runs(mc19_python, megatron_main, tmp_path_factory):
     """Three launches shared by the tests below (a fourth, resuming under 1F1B, is in ``resumed_under_1f1b``).
 
     1f1b: Megatron's own 1F1B through scripts/pretrain_gpt.py, uninterrupted (the reference);
@@ -51,9 +59,10 @@ def runs(mc19_python, client_dir, tmp_path_factory):  # noqa: F811 (the imported
     and re-planned from the costs measured in iterations 2-3 (--pipeline-costs auto): iterations 4-5 run the
     rebuilt schedule (or the running one, if the rebuilt one is no faster);
     balanced: V-ZB with ``--pipeline-layout balanced`` (the planner moves layers off device 0) resuming
-    V-Half's uniform checkpoint (another schedule and another layout) through the runner and Megatron-LM's
-    own pretrain_gpt.py, whose config container builds the model from a config made before any chunk (the
-    path that once ignored the layout).
+    V-Half's uniform checkpoint (another schedule and another layout) through the runner and Megatron-LM
+    main's own pretrain_gpt.py on its own megatron, whose config container builds the model from a config
+    made before any chunk (the path that once ignored the layout). Another Python's python3-config is first
+    on PATH: main's dataset helpers must be built for this interpreter all the same.
     """
     script = str(ROOT / "scripts" / "pretrain_gpt.py")
     ckpt = tmp_path_factory.mktemp("ckpt")
@@ -65,13 +74,14 @@ def runs(mc19_python, client_dir, tmp_path_factory):  # noqa: F811 (the imported
     launches["v-half"] = ([script], ["--pipeline-schedule", "v-half", *TINY, "--save", str(ckpt), "--save-interval",
                                      "3", "--pipeline-costs", "auto", "--pipeline-costs-iters", "2",
                                      "--pipeline-costs-out", str(costs_file)])
-    launches["balanced"] = ([*runner, str(client_dir / "pretrain_gpt.py")],
+    launches["balanced"] = ([*runner, str(megatron_main / "pretrain_gpt.py")],
                             ["--pipeline-schedule", "v-zb", *TINY, "--pipeline-layout", "balanced", "--load",
                              str(ckpt), "--ckpt-step", "3", "--eval-interval", "5", "--eval-iters", "1"])
     # The ranks are forked (glue_support.launch_ranks); the README's own torchrun command for this run is
     # CI's first step, and test_real_client.py trains V-Half under torchrun.
-    outputs = launch_each(mc19_python, 4, launches, timeout=240)
-    return {"ckpt": ckpt, "costs_file": costs_file, **outputs}
+    env = env_with_another_pythons_config(tmp_path_factory.mktemp("wrong-python-config"))
+    outputs = launch_each(mc19_python, 4, launches, timeout=240, env=env)
+    return {"ckpt": ckpt, "costs_file": costs_file, "checkout": megatron_main, **outputs}
 
 
 @pytest.mark.timeout(900)
@@ -118,8 +128,10 @@ def _assert_resumes_exactly(runs, resumed_output: str) -> None:
 def test_checkpoint_from_v_half_resumes_under_v_zb_with_the_balanced_layout(runs):
     """A torch_dist checkpoint saved under V-Half's uniform layout loads under V-ZB with the balanced layout
     (global layer numbers in its keys), and training continues exactly like the uninterrupted run:
-    neither schedule nor layout changes the maths. (A checkpoint of Megatron's looped 1F1B loading into V
-    chunks is tested in test_real_client_hybrid.py.)"""
+    neither schedule nor layout changes the maths. Saved by megatron-core 0.19.2, it resumes on Megatron-LM
+    main's own megatron, which the runner imported from the checkout (the start-up line). (A checkpoint of
+    Megatron's looped 1F1B loading into V chunks is tested in test_real_client_hybrid.py.)"""
+    assert_runs_the_checkouts_megatron(runs["balanced"], runs["checkout"])
     _assert_resumes_exactly(runs, runs["balanced"])
 
 

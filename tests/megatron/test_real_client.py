@@ -13,6 +13,12 @@ environment, except for the README's command (V-Half through the runner) and the
 run under ``torchrun`` as a user types them. On a V, pipeline rank 0 runs both the first and the last stage;
 the script's ``get_batch`` asks ``mpu.is_pipeline_last_stage()`` without ``vp_stage`` to decide whether to
 load labels and the loss mask, which crashed V schedules before the executor named the running stage.
+
+Megatron-LM main (0.20.0 at d98e8a64) runs as its users run it: the runner on a writable copy of the
+checkout, in the interpreter that has megatron-core 0.19.2 installed too; the checkout's own megatron/
+must run (the start-up line names it) and build its C++ dataset helpers for this interpreter. With
+``-m extended`` every schedule trains through its ``pretrain_gpt.py`` like Megatron's own 1F1B on it, which
+gives the losses of 0.19.2's; the default tier's run on main is test_pretrain_cpu.py's V-ZB resume.
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from glue_support import LOSS, ROOT, launch_ranks, torchrun
+from glue_support import (
+    LOSS,
+    ROOT,
+    assert_runs_the_checkouts_megatron,
+    env_with_another_pythons_config,
+    launch_ranks,
+    torchrun,
+)
 
 from megatron_vshape.schedules.generators.registry import schedule_names
 
@@ -60,21 +73,24 @@ def client_dir() -> Path:
     return path
 
 
-def train(python: str, entry: list[str], schedule: str, cwd: Path = ROOT, launcher=launch_ranks) -> dict:
-    """Run 2 ranks; return {iteration: lm loss, evaluation name: lm loss} (fails the test on a crash or a hang)."""
+def train(python: str, entry: list[str], schedule: str, cwd: Path = ROOT, launcher=launch_ranks,
+          with_output: bool = False, **launch_options) -> dict:
+    """Run 2 ranks; return {iteration: lm loss, evaluation name: lm loss} (fails the test on a crash or a hang),
+    and with ``with_output`` the launch's output under "stdout"."""
     result = launcher(python, 2, entry, ["--pipeline-schedule", schedule, *TINY, *EXTRA_FLAGS.get(schedule, [])],
-                      timeout=RUN_TIMEOUT, cwd=cwd)
+                      timeout=RUN_TIMEOUT, cwd=cwd, **launch_options)
     assert result.returncode == 0, f"{schedule} exited {result.returncode}:\n{result.stdout[-5000:]}"
     found = {int(i): float(v) for i, v in LOSS.findall(result.stdout)}
     assert sorted(found) == ITERATIONS, result.stdout[-3000:]
     evaluations = {f"eval {i}{where}": float(v) for i, where, v in EVAL_LOSS.findall(result.stdout)}
     assert sorted(evaluations) == ["eval 5", "eval 5 on test set", "eval 5 on validation set"], result.stdout[-3000:]
-    return {**found, **evaluations}
+    return {**found, **evaluations, **({"stdout": result.stdout} if with_output else {})}
 
 
 def assert_same_losses(reference: dict, other: dict) -> None:
     for i, loss in reference.items():
-        assert abs(other[i] - loss) <= 1e-5 * abs(loss), (i, loss, other[i])
+        if i != "stdout":
+            assert abs(other[i] - loss) <= 1e-5 * abs(loss), (i, loss, other[i])
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +153,41 @@ def test_patched_script_trains_a_v_schedule(mc19_python, patched_checkout, megat
     losses = train(mc19_python, [str(patched_checkout / "pretrain_gpt.py")], "v-half", cwd=patched_checkout,
                    launcher=torchrun)
     assert_same_losses(megatron_1f1b, losses)
+
+
+# --- Megatron-LM main (0.20.0 at d98e8a64), from a writable copy of its checkout ---------------------------
+
+@pytest.fixture(scope="module")
+def main_env(tmp_path_factory) -> dict[str, str]:
+    """The main launches' environment: another Python's python3-config first on PATH."""
+    return env_with_another_pythons_config(tmp_path_factory.mktemp("wrong-python-config"))
+
+
+def train_main(python: str, checkout: Path, schedule: str, env: dict[str, str], script: str = "pretrain_gpt.py") -> dict:
+    """``train`` through the runner on the main checkout's script (forked ranks: their preload imports the
+    checkout's megatron, as each rank would); the output is kept."""
+    return train(python, ["-m", "megatron_vshape.run", str(checkout / script)], schedule, with_output=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def main_1f1b(mc19_python, megatron_main, main_env) -> dict:
+    """Megatron's own 1F1B on main's checkout."""
+    losses = train_main(mc19_python, megatron_main, "1f1b", main_env)
+    assert_runs_the_checkouts_megatron(losses["stdout"], megatron_main)
+    return losses
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_megatron_1f1b_on_main_gives_the_losses_of_0_19(main_1f1b, megatron_1f1b):
+    assert_same_losses(megatron_1f1b, main_1f1b)
+
+
+# The default run on main is test_pretrain_cpu.py's V-ZB resume through main's pretrain_gpt.py.
+@pytest.mark.extended
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+@pytest.mark.parametrize("schedule", [name for name in schedule_names() if name != "1f1b"])
+def test_runner_trains_every_schedule_on_megatron_main(mc19_python, megatron_main, main_env, main_1f1b, schedule):
+    losses = train_main(mc19_python, megatron_main, schedule, main_env)
+    assert_runs_the_checkouts_megatron(losses["stdout"], megatron_main)
+    assert_same_losses(main_1f1b, losses)

@@ -30,8 +30,8 @@ import re
 from pathlib import Path
 
 import pytest
-from glue_support import LOSS, launch_ranks
-from test_real_client import EVAL_LOSS, assert_same_losses, client_dir  # noqa: F401 (client_dir: a fixture)
+from glue_support import LOSS, assert_runs_the_checkouts_megatron, launch_ranks
+from test_real_client import EVAL_LOSS, assert_same_losses, client_dir, main_env  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
@@ -46,11 +46,12 @@ RUN_TIMEOUT = 300
 SCHEDULES_PP2 = ("zb-1p", "v-zb")
 
 
-def train(python: str, script: Path, schedule: str, pp: int, flags: list[str], iterations: list[int]) -> dict:
+def train(python: str, script: Path, schedule: str, pp: int, flags: list[str], iterations: list[int],
+          env: dict[str, str] | None = None) -> dict:
     """Launch ``pp`` ranks; return {iteration: lm loss, evaluation: lm loss} (a crash or hang fails the test)."""
     result = launch_ranks(python, pp, ["-m", "megatron_vshape.run", str(script)],
                           ["--pipeline-schedule", schedule, "--pipeline-model-parallel-size", str(pp), *COMMON, *flags],
-                          timeout=RUN_TIMEOUT)
+                          timeout=RUN_TIMEOUT, env=env)
     assert result.returncode == 0, f"{schedule} PP {pp} exited {result.returncode}:\n{result.stdout[-5000:]}"
     found = {int(i): float(v) for i, v in LOSS.findall(result.stdout)}
     assert sorted(found) == iterations, result.stdout[-3000:]
@@ -125,3 +126,27 @@ def test_gpt_checkpoint_resumes_as_hybrid_model_under_v_half(mc19_python, client
 
 def _after_iteration_2(row: dict) -> dict:
     return {k: v for k, v in _losses(row).items() if k not in (1, 2)}
+
+
+# --- Megatron-LM main (0.20.0 at d98e8a64): its own pretrain_hybrid.py on its own megatron (-m extended) ---
+
+@pytest.fixture(scope="module")
+def main_hybrid_1f1b(mc19_python, megatron_main, main_env) -> dict:  # noqa: F811 (the imported fixture)
+    """Megatron's own 1F1B through main's pretrain_hybrid.py (its script does not run on 0.19.2: it passes
+    set_startup_timestamps a keyword 0.19.2 lacks)."""
+    losses = train(mc19_python, hybrid(megatron_main), "1f1b", 2, ["--hybrid-layer-pattern", PATTERN, *MOE], [1, 2, 3],
+                   env=main_env)
+    assert_runs_the_checkouts_megatron(losses["stdout"], megatron_main)
+    assert losses[3] < losses[1], "training must make progress"
+    return losses
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+@pytest.mark.parametrize("schedule", ["v-half", "v-zb"])
+def test_v_schedules_train_hybrid_model_on_megatron_main(mc19_python, megatron_main, main_env,  # noqa: F811
+                                                         main_hybrid_1f1b, schedule):
+    losses = train(mc19_python, hybrid(megatron_main), schedule, 2, ["--hybrid-layer-pattern", PATTERN, *MOE], [1, 2, 3],
+                   env=main_env)
+    assert_runs_the_checkouts_megatron(losses["stdout"], megatron_main)
+    assert_same_losses(_losses(main_hybrid_1f1b), _losses(losses))

@@ -22,16 +22,10 @@ def test_missing_script_is_one_line_and_exit_2():
         "no such script: no/such/pretrain_gpt.py"]
 
 
-@pytest.mark.parametrize("minor", ["0.16", "0.19"])
-def test_entry_points_name_the_megatron_core_they_need(minor):
-    """Without megatron.training (megatron-core < 0.19) both entry points say so in one line; with it, the
-    import gate lets it through."""
-    python = require_interpreter(minor)
-    if minor == "0.19":
-        gate = "from megatron_vshape.megatron.training_cpu import require_megatron_training as r; print(r().__name__)"
-        result = run("-c", gate, python=python)
-        assert result.returncode == 0 and result.stdout.split() == ["megatron.training"], result.stderr[-3000:]
-        return
+def test_entry_points_name_the_megatron_core_they_need():
+    """Without megatron.training (megatron-core < 0.19) both entry points say so in one line. (With it the
+    import gate lets them through: every launch on 0.19.2 or main, and --help below.)"""
+    python = require_interpreter("0.16")
     for args in (["scripts/pretrain_gpt.py", "--cpu"], ["-m", "megatron_vshape.run", "scripts/pretrain_gpt.py"]):
         result = run(*args, python=python)
         errors = [ln for ln in result.stderr.splitlines() if ln.startswith("megatron-vshape error:")]
@@ -48,3 +42,4 @@ def test_help_lists_our_flags_and_which_schedules_keep_megatrons_functions(mc19_
         assert flag in text
     assert "1f1b (one-forward-one-backward (Megatron's default); runs on Megatron's own function)" in text
     assert "v-half (V placement, about 1/2 of 1F1B's activation memory; runs on megatron-vshape executor)" in text
+
