@@ -2,17 +2,21 @@
 
 A building block gives every F and B pass an integer start slot (one slot per pass of one V
 chunk). Repeating it leaves empty slots in the warm-up and the cool-down, where a device waits for
-its input. This pass moves passes of the warm-up and the cool-down into earlier empty slots:
+its input. The reorder moves passes of the warm-up and the cool-down into earlier empty slots, in
+six phases, each one function named after what it does (as DeepSeek's DualPipe names its steps),
+its pattern in its docstring:
 
-1. W passes go *lazily* into the free slots: each device keeps a FIFO of finished B passes and
-   runs the oldest pending W in every slot that no F or B occupies.
-2. Passes are visited in slot order (then device, then kind). A pass of the warm-up (before the
-   first microbatch's last B on device 0) or of the cool-down (after the last microbatch's first
-   F) moves to the earliest free slot after its inputs where the device's peak stays within the
-   **largest peak over all devices** (not only the device's own: a device with a low peak may
-   spend its spare memory to start earlier). The steady state is left as it is.
-3. The W passes are taken out and put back lazily into the new free slots, after a second
-   cool-down pass in which W is implicit (it runs whenever a slot is idle).
+1. ``_repeat_f_and_b``: F and B of microbatch k at the block's slots + k * interval.
+2. ``_w_into_idle_slots``: every slot no F or B holds runs the oldest pending W (FIFO).
+3. ``_pull_warmup_and_cooldown``: visited in slot order (then device, then kind), each pass of the
+   warm-up (before the first microbatch's last B on device 0) or of the cool-down (after the last
+   microbatch's first F) moves to the earliest free slot after its inputs where the device's peak
+   stays within the **largest peak over all devices** (not only the device's own: a device with a
+   low peak may spend its spare memory to start earlier); W is explicit. The steady state stays.
+4. ``_lift_w``: the W passes come out.
+5. ``_pull_cooldown_lazily``: the cool-down's F and B are pulled earlier once more, W implicit
+   (it runs whenever a slot is idle), within the largest peak over all devices.
+6. ``_w_into_idle_slots`` again, into the new free slots.
 
 Costs enter only afterwards: the order of each device (by slot) is what the simulator squeezes.
 Peaks are counted in slot order, which is also program order, with the shared ledger's changes
@@ -27,6 +31,7 @@ from functools import partial
 from itertools import chain, repeat
 
 from ..core.actions import Action, Kind
+from ..core.inputs import EPS
 from ..core.schedule import MemoryModel, Schedule
 from .block import BuildingBlock
 from .slot_memory import LazyMemory, SlotDeltas, explicit_levels, slot_deltas
@@ -75,7 +80,7 @@ def slot_schedule(
 ) -> Schedule | None:
     """Repeat ``block``, reorder its warm-up and cool-down in slot time, and return the programs;
     None if W placed lazily needs more than ``max_peak`` memory units on some device.
-    ``early_cooldown``: see ``_phases``. Memory is counted under ``memory`` (the simulator's count).
+    ``early_cooldown``: see ``_warmup_and_cooldown``. Memory is counted under ``memory`` (the simulator's count).
 
     Long runs are built from a short one: the reorder leaves the steady state untouched, and
     there every device repeats the same slots every interval, one microbatch later each time.
@@ -85,7 +90,7 @@ def slot_schedule(
     placement = block.placement
     short = _short_microbatches(block)
     built = _slot_rows(block, min(short, num_microbatches), early_cooldown, memory)
-    if built.peak * placement.layer_scale / 2 > max_peak + 1e-9:
+    if built.peak * placement.layer_scale / 2 > max_peak + EPS:
         return None
     rows = None
     if num_microbatches > short:
@@ -150,23 +155,20 @@ class _Built:
 
 def _slot_rows(block: BuildingBlock, num_microbatches: int, early_cooldown: bool,
                memory: MemoryModel = MemoryModel()) -> _Built:
-    """Each device's slots after the two reorders, W placed lazily."""
-    plan = _repeat(block, num_microbatches, memory)
-    for device in range(block.placement.num_devices):
-        _put_w_lazily(plan, device)
-    warmup, cooldown = _phases(plan, num_microbatches, early_cooldown)
-    first_budget = _reorder_explicit(plan, warmup + cooldown)
-    for device in range(block.placement.num_devices):
-        _remove_w(plan, device)
-    _, cooldown = _phases(plan, num_microbatches, early_cooldown)
-    budget = max(_lazy_peak(plan, d) for d in range(len(plan.at)))
-    _reorder_lazy(plan, [a for a in cooldown if a.kind is not Kind.W], budget)
-    for device in range(block.placement.num_devices):
-        _put_w_lazily(plan, device)
+    """Each device's slots after the six phases (module docstring), W placed lazily."""
+    plan = _repeat_f_and_b(block, num_microbatches, memory)
+    _w_into_idle_slots(plan)
+    warmup, cooldown = _warmup_and_cooldown(plan, num_microbatches, early_cooldown)
+    first_budget = _pull_warmup_and_cooldown(plan, warmup + cooldown)
+    _lift_w(plan)
+    budget = _pull_cooldown_lazily(plan, num_microbatches, early_cooldown)
+    _w_into_idle_slots(plan)
     return _Built(plan.at, max(first_budget, budget))
 
 
-def _repeat(block: BuildingBlock, num_microbatches: int, memory: MemoryModel) -> _Plan:
+def _repeat_f_and_b(block: BuildingBlock, num_microbatches: int, memory: MemoryModel) -> _Plan:
+    """Phase 1, pattern ``F0 F1 B1 B0`` of microbatch k at the block's slots + k * interval, no W yet
+    (the row is long enough for every W after the device's last F or B)."""
     placement = block.placement
     interval = block.interval
     slot: dict[Action, int] = {}
@@ -189,31 +191,35 @@ def _repeat(block: BuildingBlock, num_microbatches: int, memory: MemoryModel) ->
     return _Plan(placement.num_stages, device_of, first, slot, at, slot_deltas(placement, memory))
 
 
-def _put_w_lazily(plan: _Plan, device: int) -> None:
-    """Every idle slot runs the oldest pending W of the device (FIFO over its B passes)."""
-    row = plan.at[device]
-    pending: deque[Action] = deque()
-    for s, action in enumerate(row):
-        if action is None:
-            if pending:
-                w = pending.popleft()
-                row[s] = w
-                plan.slot[w] = s
-        elif action.kind is Kind.B:
-            pending.append(Action(Kind.W, action.stage, action.microbatch))
-    if pending:  # cannot happen: _repeat leaves room for every W
-        raise AssertionError("no room left for W")
+def _w_into_idle_slots(plan: _Plan) -> None:
+    """Phases 2 and 6, pattern ``W`` in every idle slot: each device keeps a FIFO of its finished B
+    passes and every slot that no F or B holds runs the oldest pending W."""
+    for device in range(len(plan.at)):
+        row = plan.at[device]
+        pending: deque[Action] = deque()
+        for s, action in enumerate(row):
+            if action is None:
+                if pending:
+                    w = pending.popleft()
+                    row[s] = w
+                    plan.slot[w] = s
+            elif action.kind is Kind.B:
+                pending.append(Action(Kind.W, action.stage, action.microbatch))
+        if pending:  # cannot happen: _repeat_f_and_b leaves room for every W
+            raise AssertionError("no room left for W")
 
 
-def _remove_w(plan: _Plan, device: int) -> None:
-    row = plan.at[device]
-    for s, action in enumerate(row):
-        if action is not None and action.kind is Kind.W:
-            row[s] = None
-            del plan.slot[action]
+def _lift_w(plan: _Plan) -> None:
+    """Phase 4: every W leaves its slot (phase 5 counts W implicitly, phase 6 puts them back)."""
+    for row in plan.at:
+        for s, action in enumerate(row):
+            if action is not None and action.kind is Kind.W:
+                row[s] = None
+                del plan.slot[action]
 
 
-def _phases(plan: _Plan, num_microbatches: int, early_cooldown: bool) -> tuple[list[Action], list[Action]]:
+def _warmup_and_cooldown(plan: _Plan, num_microbatches: int,
+                         early_cooldown: bool) -> tuple[list[Action], list[Action]]:
     """Passes of the warm-up and of the cool-down, in visiting order.
 
     The warm-up ends where device 0 finishes the first microbatch (its chunk-0 B), the cool-down
@@ -241,7 +247,7 @@ def _phases(plan: _Plan, num_microbatches: int, early_cooldown: bool) -> tuple[l
 
 
 def has_early_cooldown(block: BuildingBlock, num_microbatches: int) -> bool:
-    """Whether the last microbatch enters device 0 before the first leaves it (see ``_phases``)."""
+    """Whether the last microbatch enters device 0 before the first leaves it (see ``_warmup_and_cooldown``)."""
     first_stage = block.placement.stages_per_device[0][0]
     last_start = block.offsets[(Kind.F, first_stage)] + block.interval * (num_microbatches - 1)
     return last_start < block.offsets[(Kind.B, first_stage)]
@@ -268,10 +274,11 @@ def _earliest(plan: _Plan, action: Action) -> int:
     return ready + 1
 
 
-def _reorder_explicit(plan: _Plan, visit: list[Action]) -> float:
-    """Move each visited pass to the earliest free slot after its inputs that keeps the device's
-    peak within the largest peak over all devices. W is explicit: an F moved from t to s adds its
-    change to the levels of [s, t); a B or W (which free) never raises them. Returns that budget."""
+def _pull_warmup_and_cooldown(plan: _Plan, visit: list[Action]) -> float:
+    """Phase 3, pattern: each visited pass (warm-up, then cool-down, F, B and W) to the earliest free
+    slot after its inputs that keeps the device's peak within the largest peak over all devices.
+    W is explicit: an F moved from t to s adds its change to the levels of [s, t); a B or W (which
+    free) never raises them. Returns that budget."""
     levels = [explicit_levels(plan.at[d], plan.deltas[d]) for d in range(len(plan.at))]
     budget = max(max(level) for level in levels)
     for action in visit:
@@ -302,8 +309,17 @@ def _lazy_peak(plan: _Plan, device: int) -> float:
     return LazyMemory(plan.at[device], 0.0, plan.deltas[device]).peak()
 
 
+def _pull_cooldown_lazily(plan: _Plan, num_microbatches: int, early_cooldown: bool) -> float:
+    """Phase 5, pattern: each F and B of the cool-down to the first free slot after its inputs whose
+    device peak, W implicit, stays within the largest such peak over all devices. Returns it."""
+    _, cooldown = _warmup_and_cooldown(plan, num_microbatches, early_cooldown)
+    budget = max(_lazy_peak(plan, d) for d in range(len(plan.at)))
+    _reorder_lazy(plan, [a for a in cooldown if a.kind is not Kind.W], budget)
+    return budget
+
+
 def _reorder_lazy(plan: _Plan, visit: list[Action], budget: int) -> None:
-    """As :func:`_reorder_explicit`, with W implicit: try the free slots after the inputs in
+    """As :func:`_pull_warmup_and_cooldown`, with W implicit: try the free slots after the inputs in
     order and keep the first whose device peak stays within ``budget``."""
     memories: dict[int, LazyMemory] = {}
     for action in visit:

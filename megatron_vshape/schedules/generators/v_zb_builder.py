@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from ..core.actions import Action, Kind
+from ..core.inputs import EPS
 from ..core.ledger import MemoryLedger
 from ..core.ready import UNSET, ready_rule
 from ..core.schedule import Costs, MemoryModel, Placement, Schedule, one_f_one_b_peak
@@ -67,7 +68,7 @@ class _Builder:
             self.cost.append(tuple(costs.of(_KIND[lane], lane_stage[lane]) for lane in range(6)))
             self.delta.append(tuple(self.ledger.delta(_KIND[lane], lane_stage[lane]) for lane in range(6)))
             self.base.append(tuple((_KIND_INDEX[lane] * 2 * d + lane_stage[lane]) * m for lane in range(6)))
-        self.cap = 2.0 * cap_units + 1e-9
+        self.cap = 2.0 * cap_units + EPS
         self.end = [UNSET] * (6 * d * m)
         self.ready_of = ready_rule([placement.device_of(stage) for stage in range(2 * d)], m, costs.comm)
         self.count = [[0] * 6 for _ in range(d)]
@@ -284,7 +285,7 @@ def build_v_zb(
             again = _run(d, m, costs, variant, list(best.idle), cap, memory)
         except BuildFailed:
             break
-        if again.max_idle >= best.max_idle - 1e-9:
+        if again.max_idle >= best.max_idle - EPS:
             break
         best = again
     return _to_schedule(best, d, m)
