@@ -12,7 +12,7 @@ device. Four searches then look for a schedule with a smaller makespan and no hi
   family of schedules altogether;
 * ``offsets``: a local search over the building block's F/B offsets (one offset of one device
   moved by 1, 2, 3 or 6 slots, W by ``fill_w``), each block through the slot reorder, first
-  improvement, for ``--seconds`` x OFFSETS_SHARE;
+  improvement, for ``--seconds`` x OFFSETS_SHARE (or ``--evaluations`` x OFFSETS_SHARE blocks);
 * ``idle-fill``: the generator's schedule (and the offsets search's) replayed in real time with
   every wait filled by a ready pass within a look-ahead of 2d passes, no device above the peak
   (``reorder.fill_idle``, which the generators apply only to the plain repeated block);
@@ -23,7 +23,9 @@ device. Four searches then look for a schedule with a smaller makespan and no hi
   a time limit, on cells of at most ``--cpsat-max-passes`` passes. An improvement it finds is a
   gap; no proof is needed.
 
-A cell is reported when the best of them wins by more than ``--report`` (0.5 %). The searches are
+The local searches stop at a CPU-time budget (the table: every cell gets the same time) or, given
+``--evaluations``, at a count of schedules tried, which makes them independent of the machine's
+speed (the tests). A cell is reported when the best of them wins by more than ``--report`` (0.5 %). The searches are
 heuristics: a cell without a gap is one where they found none, not a proof. The authors' grid
 (their generator on cells this repository does not hold) is checked elsewhere; this table is
 the proxy (issue 34).
@@ -65,7 +67,7 @@ COSTS = {
 }
 GENERATORS = {"v-min": (v_min, v_min_block), "v-half": (v_half, v_half_block)}
 OFFSET_STEPS = (-1, 1, -2, 2, -3, 3, -6, 6)
-OFFSETS_SHARE = 0.6  # of --seconds; the order search gets the rest
+OFFSETS_SHARE = 0.6  # of the budget; the order search gets the rest
 _ORDER_WINDOW = 6  # positions a pass may be pulled ahead in one move
 
 
@@ -84,6 +86,22 @@ class Row:
     found_by: str  # the search that found the best schedule ("" when none beat the generator)
     gain: float  # 1 - best / own makespan
     seconds: float
+
+
+class Budget:
+    """CPU seconds and, optionally, a number of schedules tried: spent when either runs out."""
+
+    def __init__(self, seconds: float, evaluations: int | None = None) -> None:
+        self.seconds, self.evaluations = seconds, evaluations
+        self.began, self.tried = time.process_time(), 0
+
+    def count(self) -> None:
+        self.tried += 1
+
+    def spent(self) -> bool:
+        if self.evaluations is not None and self.tried >= self.evaluations:
+            return True
+        return time.process_time() - self.began >= self.seconds
 
 
 def _fits(result: SimulationResult, cap: float) -> bool:
@@ -133,31 +151,26 @@ def _block_result(starts, m: int, costs: Costs, cap: float):
     return (block, result) if result is not None and _fits(result, cap) else (None, None)
 
 
-def offsets_search(block: BuildingBlock, m: int, costs: Costs, cap: float, seconds: float) -> Schedule | None:
+def offsets_search(block: BuildingBlock, m: int, costs: Costs, cap: float, budget: Budget) -> Schedule | None:
     """First-improvement descent over single offset moves; the best block is then built in full
     (``schedule_from_block``: every reorder the generators have)."""
-    began = time.process_time()
     current = _starts(block)
     best_block, best = _block_result(current, m, costs, cap)
     if best is None:
         return None
     improved = True
-    while improved and time.process_time() - began < seconds:
+    while improved and not budget.spent():
         improved = False
-        for device in range(len(current)):
-            for which in range(4):
-                for step in OFFSET_STEPS:
-                    trial = [list(s) for s in current]
-                    trial[device][which] += step
-                    found_block, result = _block_result(trial, m, costs, cap)
-                    if result is not None and result.makespan < best.makespan - EPS:
-                        current, best_block, best, improved = trial, found_block, result, True
-                        break
-                    if time.process_time() - began > seconds:
-                        break
-                if improved or time.process_time() - began > seconds:
-                    break
-            if improved or time.process_time() - began > seconds:
+        moves = ((device, which, step) for device in range(len(current)) for which in range(4) for step in OFFSET_STEPS)
+        for device, which, step in moves:
+            trial = [list(s) for s in current]
+            trial[device][which] += step
+            found_block, result = _block_result(trial, m, costs, cap)
+            budget.count()
+            if result is not None and result.makespan < best.makespan - EPS:
+                current, best_block, best, improved = trial, found_block, result, True
+                break
+            if budget.spent():
                 break
     return schedule_from_block(best_block, m, costs, "offsets")
 
@@ -173,9 +186,8 @@ def _order_key(result: SimulationResult) -> tuple[float, float]:
     return round(result.makespan, 9), round(sum(iv.end for iv in result.timeline.values()), 6)
 
 
-def order_search(schedule: Schedule, costs: Costs, cap: float, seconds: float) -> Schedule | None:
+def order_search(schedule: Schedule, costs: Costs, cap: float, budget: Budget) -> Schedule | None:
     """First-improvement descent over moves of one pass ahead in its device's program."""
-    began = time.process_time()
     stages = schedule.num_stages
     device_of = schedule.placement.device_of
     programs = [list(p) for p in schedule.programs]
@@ -186,7 +198,7 @@ def order_search(schedule: Schedule, costs: Costs, cap: float, seconds: float) -
     best = simulate(build(programs), costs)
     best_key = _order_key(best)
     moved = False
-    while time.process_time() - began < seconds:
+    while not budget.spent():
         timeline = best.timeline
 
         def arrival(dep, device, timeline=timeline):
@@ -220,10 +232,11 @@ def order_search(schedule: Schedule, costs: Costs, cap: float, seconds: float) -
                 continue  # it could not start any sooner there
             trial = programs[:device] + [program[:i] + [action] + jumped + program[j + 1:]] + programs[device + 1:]
             result = simulate(build(trial), costs)
+            budget.count()
             if _fits(result, cap) and _order_key(result) < best_key:
                 programs, best, best_key, improved, moved = trial, result, _order_key(result), True, True
                 break
-            if time.process_time() - began > seconds:
+            if budget.spent():
                 break
         if not improved:
             break
@@ -243,7 +256,7 @@ def cpsat_search(schedule: Schedule, d: int, m: int, costs: Costs, cap: float, s
 
 
 def search_cell(name: str, d: int, m: int, label: str, seconds: float, cpsat_seconds: float,
-                cpsat_max_passes: int) -> Row:
+                cpsat_max_passes: int, evaluations: int | None = None) -> Row:
     costs = COSTS[label]
     began = time.process_time()
     generate, block_of = GENERATORS[name]
@@ -253,12 +266,14 @@ def search_cell(name: str, d: int, m: int, label: str, seconds: float, cpsat_sec
     best = _Best(own, own_result, cap)
     best.offer(greedy_at(cap, d, m, costs), costs, "greedy")
     best.offer(idle_fill(own, costs, cap), costs, "idle-fill")
-    offsets = offsets_search(block_of(d), m, costs, cap, seconds * OFFSETS_SHARE)
+    share = None if evaluations is None else round(evaluations * OFFSETS_SHARE)
+    offsets = offsets_search(block_of(d), m, costs, cap, Budget(seconds * OFFSETS_SHARE, share))
     best.offer(offsets, costs, "offsets")
     if offsets is not None:
         best.offer(idle_fill(offsets, costs, cap), costs, "offsets+idle-fill")
     left = seconds - (time.process_time() - began)
-    best.offer(order_search(best.schedule, costs, cap, max(left, 0.1 * seconds)), costs,
+    rest = None if evaluations is None else evaluations - share
+    best.offer(order_search(best.schedule, costs, cap, Budget(max(left, 0.1 * seconds), rest)), costs,
                f"{best.found_by}+order" if best.found_by else "order")
     if 6 * d * m <= cpsat_max_passes and cpsat_seconds > 0:
         best.offer(cpsat_search(best.schedule, d, m, costs, cap, cpsat_seconds), costs, "cp-sat")
@@ -295,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factors", default="1,2,4", help="m = factor x d")
     parser.add_argument("--costs", default=",".join(COSTS))
     parser.add_argument("--seconds", type=float, default=3.0, help="CPU s per cell for the two local searches")
+    parser.add_argument("--evaluations", type=int, help="schedules tried per cell by the two local searches "
+                        "(with a large --seconds: results independent of the machine's speed)")
     parser.add_argument("--cpsat-seconds", type=float, default=8.0)
     parser.add_argument("--cpsat-max-passes", type=int, default=300, help="6 d m at most (d=5, m=10: 300)")
     parser.add_argument("--report", type=float, default=0.005, help="gain above which a cell is a gap")
@@ -308,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             for label in args.costs.split(","):
                 for name in args.schedules.split(","):
                     row = search_cell(name, d, factor * d, label, args.seconds, args.cpsat_seconds,
-                                      args.cpsat_max_passes)
+                                      args.cpsat_max_passes, args.evaluations)
                     rows.append(row)
                     mark = "  GAP" if row.gain > args.report else ""
                     print(f"{name:6} d={d:2} m={row.microbatches:3} {label:14} ours {row.bubble:.4f} ({row.peak:g})"

