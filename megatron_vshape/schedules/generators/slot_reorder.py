@@ -199,10 +199,12 @@ def _repeat_f_and_b(block: BuildingBlock, num_microbatches: int, memory: MemoryM
 def _w_into_idle_slots(plan: _Plan) -> None:
     """Phases 2 and 7, pattern ``W`` in every idle slot: each device keeps a FIFO of its finished B
     passes and every slot that no F or B holds runs the oldest pending W."""
+    end = _used_slots(plan)
     for device in range(len(plan.at)):
         row = plan.at[device]
         pending: deque[Action] = deque()
-        for s, action in enumerate(row):
+        for s in range(end):
+            action = row[s]
             if action is None:
                 if pending:
                     w = pending.popleft()
@@ -210,8 +212,16 @@ def _w_into_idle_slots(plan: _Plan) -> None:
                     plan.slot[w] = s
             elif action.kind is Kind.B:
                 pending.append(Action(Kind.W, action.stage, action.microbatch))
-        if pending:  # cannot happen: _repeat_f_and_b leaves room for every W
+        if len(pending) > len(row) - end:  # cannot happen: _repeat_f_and_b leaves room for every W
             raise AssertionError("no room left for W")
+        for s, w in enumerate(pending, start=end):  # past every F and B: each slot is idle
+            row[s] = w
+            plan.slot[w] = s
+
+
+def _used_slots(plan: _Plan) -> int:
+    """One past the last slot any pass holds (the rows are longer: room for every W)."""
+    return max(plan.slot.values()) + 1
 
 
 def _lift_w(plan: _Plan) -> None:
@@ -238,12 +248,13 @@ def _warmup_and_cooldown(plan: _Plan, num_microbatches: int,
         last_f = Action(Kind.F, plan.first_stage[cooldown_after], num_microbatches - 1)
         cool_key = max((plan.slot[last_f], cooldown_after), (warm_end, 0))
     warmup, cooldown = [], []
+    end = _used_slots(plan)
     for device, row in enumerate(plan.at):
-        for s in range(min(warm_end, len(row))):
+        for s in range(min(warm_end, end)):
             if row[s] is not None:
                 warmup.append((s, device, plan.rank(row[s]), row[s].microbatch, row[s]))
         first = cool_key[0] if device > cool_key[1] else cool_key[0] + 1
-        for s in range(first, len(row)):
+        for s in range(first, end):
             if row[s] is not None:
                 cooldown.append((s, device, plan.rank(row[s]), row[s].microbatch, row[s]))
     warmup.sort()
@@ -341,7 +352,8 @@ def _squeeze_slots(plan: _Plan) -> None:
     last_stage = plan.num_stages - 1
     # Slot order across all devices is an order of inputs first (every input has an earlier slot),
     # so each pass's inputs already hold their squeezed slots when it is placed.
-    for column in zip(*at):
+    end = _used_slots(plan)
+    for column in zip(*(row[:end] for row in at)):
         for device, action in enumerate(column):
             if action is None:
                 continue
