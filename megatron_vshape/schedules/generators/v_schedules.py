@@ -107,6 +107,8 @@ def _memory_caps(own_result, costs: Costs) -> list[float]:
 
 def _best_within(own: Schedule, costs: Costs, alternatives) -> Schedule:
     """``own``, or the alternative with the smallest makespan whose peak is no larger (ties: ``own``)."""
+    if not alternatives:  # d > 8 and no cached cell: nothing to compare, so no simulation (0.4 s at d=64)
+        return own
     best, best_result, label = own, simulate(own, costs), None
     caps = _memory_caps(best_result, costs)
     for name, build in alternatives:
