@@ -58,8 +58,9 @@ def _weighted_from_block(block: BuildingBlock, num_microbatches: int, costs: Cos
     weighted steady peak, and the plain repeated block stays as the fallback."""
     bound = max(block.steady_peak(costs)) + EPS
     if block.placement.num_devices * num_microbatches <= _COMPARE_CELLS:
+        # No cool-down at all (None) is kept here: measured never best alone only under uniform costs.
         candidates = [slot_schedule(block, num_microbatches, name, math.inf, cooldown_after=start)
-                      for start in cooldown_starts(block, num_microbatches)]
+                      for start in [*cooldown_starts(block, num_microbatches), None]]
         candidates.append(_idle_filled(block, num_microbatches, costs, name))
     else:
         candidates = [slot_schedule(block, num_microbatches, name, math.inf)]

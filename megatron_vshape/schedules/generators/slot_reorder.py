@@ -262,23 +262,24 @@ def _warmup_and_cooldown(plan: _Plan, num_microbatches: int,
     return [item[-1] for item in warmup], [item[-1] for item in cooldown]
 
 
-def cooldown_starts(block: BuildingBlock, num_microbatches: int) -> list[int | None]:
+def cooldown_starts(block: BuildingBlock, num_microbatches: int) -> list[int]:
     """Where the cool-down may start (``cooldown_after``): after the last microbatch's first F on
-    device 0 (the default; right after the warm-up when that comes first), on the first and on the
-    last device that starts it after both, and None (no cool-down).
+    device 0 (the default; right after the warm-up when that comes first), and on the first and on
+    the last device that starts it after both.
 
     Which is best depends on the cell: a later start leaves more of the block as it is, and the
     greedy pulls of the passes right after the warm-up can take the slots that later, more critical
     passes need (V-Half d = 12, m = 12, equal costs: 0.308 bubble from device 0, 0.287 from device
-    4 on; d = 15, m = 13: 125 -> 119 slots from device 9 on). Trying every device instead of the first
-    and the last later one gains nothing more on d = 2..16, m = d - 3 .. d + 2, 2d, 4d.
+    4 on; d = 15, m = 13: 125 -> 119 slots from device 9 on). Measured on d = 2..16, m = d - 3 ..
+    d + 2, 2d, 4d: trying every device gains nothing more, and no cool-down at all (None) is never
+    better than all three.
     """
     stages = block.placement.stages_per_device
     warm_end = block.offsets[(Kind.B, stages[0][0])]
     last_f = [block.offsets[(Kind.F, first)] + block.interval * (num_microbatches - 1) for first, *_ in stages]
     default = max((last_f[0], 0), (warm_end, 0))
     later = [device for device in range(1, len(stages)) if (last_f[device], device) > default]
-    return [0, *dict.fromkeys(later[:1] + later[-1:]), None]
+    return [0, *dict.fromkeys(later[:1] + later[-1:])]
 
 
 def _earliest(plan: _Plan, action: Action) -> int:
