@@ -282,6 +282,14 @@ def cooldown_starts(block: BuildingBlock, num_microbatches: int) -> list[int]:
     return [0, *dict.fromkeys(later[:1] + later[-1:])]
 
 
+def cooldown_follows_warmup(block: BuildingBlock, num_microbatches: int) -> bool:
+    """Whether device 0 starts the last microbatch before it finishes the first (about m <= d): the
+    default cool-down then starts right after the warm-up (``_warmup_and_cooldown``)."""
+    first_stage = block.placement.stages_per_device[0][0]
+    last_start = block.offsets[(Kind.F, first_stage)] + block.interval * (num_microbatches - 1)
+    return last_start < block.offsets[(Kind.B, first_stage)]
+
+
 def _earliest(plan: _Plan, action: Action) -> int:
     """First slot after the passes ``action`` depends on, and after its predecessor of the same
     kind and stage (passes of one kind and stage keep their microbatch order).
