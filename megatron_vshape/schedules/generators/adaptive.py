@@ -46,6 +46,7 @@ __all__ = ["DEFAULT_LIMIT", "NAME", "BlockCandidate", "Evaluated", "GapPattern",
 from ..core.inputs import EPS as _EPS
 from ..core.schedule import Costs, Placement, Schedule, ScheduleError, one_f_one_b_peak
 from ..core.simulator import simulate
+from .solved import solved_for
 from .zero_bubble import GreedyFamily, best_greedy, v_zb
 
 DEFAULT_LIMIT = 1.0  # x 1F1B's peak, when no --memory-limit is given
@@ -281,8 +282,6 @@ def _solved_better(num_devices: int, num_microbatches: int, costs: Costs, memory
                    bubble: float):
     """The cached exact schedule (``exact.solved``) with the lowest bubble that fits the limit, when
     it beats ``bubble`` (the candidates' best); else None. Small cells only: see that module."""
-    from .solved import solved_for  # the exact package imports the registry, which imports us
-
     budget = memory_limit * one_f_one_b_peak(num_devices, costs) + _EPS
     best = None
     for cell in solved_for(num_devices, num_microbatches, costs):

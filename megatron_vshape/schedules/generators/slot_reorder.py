@@ -2,17 +2,24 @@
 
 A building block gives every F and B pass an integer start slot (one slot per pass of one V
 chunk). Repeating it leaves empty slots in the warm-up and the cool-down, where a device waits for
-its input. This pass moves passes of the warm-up and the cool-down into earlier empty slots:
+its input. The reorder moves passes of the warm-up and the cool-down into earlier empty slots, in
+seven phases, each one function named after what it does (as DeepSeek's DualPipe names its steps),
+its pattern in its docstring:
 
-1. W passes go *lazily* into the free slots: each device keeps a FIFO of finished B passes and
-   runs the oldest pending W in every slot that no F or B occupies.
-2. Passes are visited in slot order (then device, then kind). A pass of the warm-up (before the
-   first microbatch's last B on device 0) or of the cool-down (after the last microbatch's first
-   F) moves to the earliest free slot after its inputs where the device's peak stays within the
-   **largest peak over all devices** (not only the device's own: a device with a low peak may
-   spend its spare memory to start earlier). The steady state is left as it is.
-3. The W passes are taken out and put back lazily into the new free slots, after a second
-   cool-down pass in which W is implicit (it runs whenever a slot is idle).
+1. ``_repeat_f_and_b``: F and B of microbatch k at the block's slots + k * interval.
+2. ``_w_into_idle_slots``: every slot no F or B holds runs the oldest pending W (FIFO).
+3. ``_pull_warmup_and_cooldown``: visited in slot order (then device, then kind), each pass of the
+   warm-up (before the first microbatch's last B on device 0) or of the cool-down (after the last
+   microbatch's first F on a given device: ``cooldown_starts``) moves to the earliest free slot
+   after its inputs where the device's peak stays within the **largest peak over all devices**
+   (not only the device's own: a device with a low peak may spend its spare memory to start
+   earlier); W is explicit. The steady state stays.
+4. ``_squeeze_slots``: every pass as early as its order and inputs allow, one slot each, so that
+   the free slots left are real waits.
+5. ``_lift_w``: the W passes come out.
+6. ``_pull_cooldown_lazily``: the cool-down's F and B are pulled earlier once more, W implicit
+   (it runs whenever a slot is idle), within the largest peak over all devices.
+7. ``_w_into_idle_slots`` again, into the new free slots.
 
 Costs enter only afterwards: the order of each device (by slot) is what the simulator squeezes.
 Peaks are counted in slot order, which is also program order, with the shared ledger's changes
@@ -27,6 +34,7 @@ from functools import partial
 from itertools import chain, repeat
 
 from ..core.actions import Action, Kind
+from ..core.inputs import EPS
 from ..core.schedule import MemoryModel, Schedule
 from .block import BuildingBlock
 from .slot_memory import LazyMemory, SlotDeltas, explicit_levels, slot_deltas
@@ -70,12 +78,13 @@ class _Plan:
 
 
 def slot_schedule(
-    block: BuildingBlock, num_microbatches: int, name: str, max_peak: float, early_cooldown: bool = True,
+    block: BuildingBlock, num_microbatches: int, name: str, max_peak: float, cooldown_after: int | None = 0,
     memory: MemoryModel = MemoryModel(),
 ) -> Schedule | None:
     """Repeat ``block``, reorder its warm-up and cool-down in slot time, and return the programs;
     None if W placed lazily needs more than ``max_peak`` memory units on some device.
-    ``early_cooldown``: see ``_phases``. Memory is counted under ``memory`` (the simulator's count).
+    ``cooldown_after``: see ``_warmup_and_cooldown`` (and ``cooldown_starts``). Memory is counted
+    under ``memory`` (the simulator's count).
 
     Long runs are built from a short one: the reorder leaves the steady state untouched, and
     there every device repeats the same slots every interval, one microbatch later each time.
@@ -84,8 +93,8 @@ def slot_schedule(
     """
     placement = block.placement
     short = _short_microbatches(block)
-    built = _slot_rows(block, min(short, num_microbatches), early_cooldown, memory)
-    if built.peak * placement.layer_scale / 2 > max_peak + 1e-9:
+    built = _slot_rows(block, min(short, num_microbatches), cooldown_after, memory)
+    if built.peak * placement.layer_scale / 2 > max_peak + EPS:
         return None
     rows = None
     if num_microbatches > short:
@@ -93,7 +102,7 @@ def slot_schedule(
     else:
         rows = [[a for a in row if a is not None] for row in built.rows]
     if rows is None:
-        rows = [[a for a in row if a is not None] for row in _slot_rows(block, num_microbatches, early_cooldown, memory).rows]
+        rows = [[a for a in row if a is not None] for row in _slot_rows(block, num_microbatches, cooldown_after, memory).rows]
     return Schedule(name, placement, num_microbatches, tuple(map(tuple, rows)))
 
 
@@ -148,25 +157,23 @@ class _Built:
     peak: float  # bound on every device's peak, in chunk activations (the budgets of both reorders)
 
 
-def _slot_rows(block: BuildingBlock, num_microbatches: int, early_cooldown: bool,
+def _slot_rows(block: BuildingBlock, num_microbatches: int, cooldown_after: int | None,
                memory: MemoryModel = MemoryModel()) -> _Built:
-    """Each device's slots after the two reorders, W placed lazily."""
-    plan = _repeat(block, num_microbatches, memory)
-    for device in range(block.placement.num_devices):
-        _put_w_lazily(plan, device)
-    warmup, cooldown = _phases(plan, num_microbatches, early_cooldown)
-    first_budget = _reorder_explicit(plan, warmup + cooldown)
-    for device in range(block.placement.num_devices):
-        _remove_w(plan, device)
-    _, cooldown = _phases(plan, num_microbatches, early_cooldown)
-    budget = max(_lazy_peak(plan, d) for d in range(len(plan.at)))
-    _reorder_lazy(plan, [a for a in cooldown if a.kind is not Kind.W], budget)
-    for device in range(block.placement.num_devices):
-        _put_w_lazily(plan, device)
+    """Each device's slots after the seven phases (module docstring), W placed lazily."""
+    plan = _repeat_f_and_b(block, num_microbatches, memory)
+    _w_into_idle_slots(plan)
+    warmup, cooldown = _warmup_and_cooldown(plan, num_microbatches, cooldown_after)
+    first_budget = _pull_warmup_and_cooldown(plan, warmup + cooldown)
+    _squeeze_slots(plan)
+    _lift_w(plan)
+    budget = _pull_cooldown_lazily(plan, num_microbatches, cooldown_after)
+    _w_into_idle_slots(plan)
     return _Built(plan.at, max(first_budget, budget))
 
 
-def _repeat(block: BuildingBlock, num_microbatches: int, memory: MemoryModel) -> _Plan:
+def _repeat_f_and_b(block: BuildingBlock, num_microbatches: int, memory: MemoryModel) -> _Plan:
+    """Phase 1, pattern ``F0 F1 B1 B0`` of microbatch k at the block's slots + k * interval, no W yet
+    (the row is long enough for every W after the device's last F or B)."""
     placement = block.placement
     interval = block.interval
     slot: dict[Action, int] = {}
@@ -189,50 +196,65 @@ def _repeat(block: BuildingBlock, num_microbatches: int, memory: MemoryModel) ->
     return _Plan(placement.num_stages, device_of, first, slot, at, slot_deltas(placement, memory))
 
 
-def _put_w_lazily(plan: _Plan, device: int) -> None:
-    """Every idle slot runs the oldest pending W of the device (FIFO over its B passes)."""
-    row = plan.at[device]
-    pending: deque[Action] = deque()
-    for s, action in enumerate(row):
-        if action is None:
-            if pending:
-                w = pending.popleft()
-                row[s] = w
-                plan.slot[w] = s
-        elif action.kind is Kind.B:
-            pending.append(Action(Kind.W, action.stage, action.microbatch))
-    if pending:  # cannot happen: _repeat leaves room for every W
-        raise AssertionError("no room left for W")
+def _w_into_idle_slots(plan: _Plan) -> None:
+    """Phases 2 and 7, pattern ``W`` in every idle slot: each device keeps a FIFO of its finished B
+    passes and every slot that no F or B holds runs the oldest pending W."""
+    end = _used_slots(plan)
+    for device in range(len(plan.at)):
+        row = plan.at[device]
+        pending: deque[Action] = deque()
+        for s in range(end):
+            action = row[s]
+            if action is None:
+                if pending:
+                    w = pending.popleft()
+                    row[s] = w
+                    plan.slot[w] = s
+            elif action.kind is Kind.B:
+                pending.append(Action(Kind.W, action.stage, action.microbatch))
+        if len(pending) > len(row) - end:  # cannot happen: _repeat_f_and_b leaves room for every W
+            raise AssertionError("no room left for W")
+        for s, w in enumerate(pending, start=end):  # past every F and B: each slot is idle
+            row[s] = w
+            plan.slot[w] = s
 
 
-def _remove_w(plan: _Plan, device: int) -> None:
-    row = plan.at[device]
-    for s, action in enumerate(row):
-        if action is not None and action.kind is Kind.W:
-            row[s] = None
-            del plan.slot[action]
+def _used_slots(plan: _Plan) -> int:
+    """One past the last slot any pass holds (the rows are longer: room for every W)."""
+    return max(plan.slot.values()) + 1
 
 
-def _phases(plan: _Plan, num_microbatches: int, early_cooldown: bool) -> tuple[list[Action], list[Action]]:
+def _lift_w(plan: _Plan) -> None:
+    """Phase 5: every W leaves its slot (phase 6 counts W implicitly, phase 7 puts them back)."""
+    for row in plan.at:
+        for s, action in enumerate(row):
+            if action is not None and action.kind is Kind.W:
+                row[s] = None
+                del plan.slot[action]
+
+
+def _warmup_and_cooldown(plan: _Plan, num_microbatches: int,
+                         cooldown_after: int | None) -> tuple[list[Action], list[Action]]:
     """Passes of the warm-up and of the cool-down, in visiting order.
 
-    The warm-up ends where device 0 finishes the first microbatch (its chunk-0 B), the cool-down
-    starts after device 0 starts the last one (its chunk-0 F); in between the block repeats as is.
-    With few microbatches (about m <= d + 1) the last start comes before the first finish: then
-    the cool-down starts right after the warm-up (``early_cooldown``; the authors' generator
-    reorders no cool-down there, and that costs it up to 0.12 of bubble at m = d).
+    The warm-up ends where device 0 finishes the first microbatch (its chunk-0 B). The cool-down
+    holds the passes visited after device ``cooldown_after`` starts the last microbatch (its
+    chunk-0 F), and after the warm-up; in between the block repeats as is. None: no cool-down.
     """
     warm_end = plan.slot[Action(Kind.B, 0, 0)]
-    cool_start = plan.slot[Action(Kind.F, 0, num_microbatches - 1)]
-    if cool_start < warm_end:
-        cool_start = warm_end if early_cooldown else len(plan.at[0])
+    if cooldown_after is None:
+        cool_key = (len(plan.at[0]), 0)
+    else:
+        last_f = Action(Kind.F, plan.first_stage[cooldown_after], num_microbatches - 1)
+        cool_key = max((plan.slot[last_f], cooldown_after), (warm_end, 0))
     warmup, cooldown = [], []
+    end = _used_slots(plan)
     for device, row in enumerate(plan.at):
-        for s in range(min(warm_end, len(row))):
+        for s in range(min(warm_end, end)):
             if row[s] is not None:
                 warmup.append((s, device, plan.rank(row[s]), row[s].microbatch, row[s]))
-        first = cool_start if device > 0 else cool_start + 1
-        for s in range(first, len(row)):
+        first = cool_key[0] if device > cool_key[1] else cool_key[0] + 1
+        for s in range(first, end):
             if row[s] is not None:
                 cooldown.append((s, device, plan.rank(row[s]), row[s].microbatch, row[s]))
     warmup.sort()
@@ -240,8 +262,29 @@ def _phases(plan: _Plan, num_microbatches: int, early_cooldown: bool) -> tuple[l
     return [item[-1] for item in warmup], [item[-1] for item in cooldown]
 
 
-def has_early_cooldown(block: BuildingBlock, num_microbatches: int) -> bool:
-    """Whether the last microbatch enters device 0 before the first leaves it (see ``_phases``)."""
+def cooldown_starts(block: BuildingBlock, num_microbatches: int) -> list[int]:
+    """Where the cool-down may start (``cooldown_after``): after the last microbatch's first F on
+    device 0 (the default; right after the warm-up when that comes first), and on the first and on
+    the last device that starts it after both.
+
+    Which is best depends on the cell: a later start leaves more of the block as it is, and the
+    greedy pulls of the passes right after the warm-up can take the slots that later, more critical
+    passes need (V-Half d = 12, m = 12, equal costs: 0.308 bubble from device 0, 0.287 from device
+    4 on; d = 15, m = 13: 125 -> 119 slots from device 9 on). Measured on d = 2..16, m = d - 3 ..
+    d + 2, 2d, 4d: trying every device gains nothing more, and no cool-down at all (None) is never
+    better than all three.
+    """
+    stages = block.placement.stages_per_device
+    warm_end = block.offsets[(Kind.B, stages[0][0])]
+    last_f = [block.offsets[(Kind.F, first)] + block.interval * (num_microbatches - 1) for first, *_ in stages]
+    default = max((last_f[0], 0), (warm_end, 0))
+    later = [device for device in range(1, len(stages)) if (last_f[device], device) > default]
+    return [0, *dict.fromkeys(later[:1] + later[-1:])]
+
+
+def cooldown_follows_warmup(block: BuildingBlock, num_microbatches: int) -> bool:
+    """Whether device 0 starts the last microbatch before it finishes the first (about m <= d): the
+    default cool-down then starts right after the warm-up (``_warmup_and_cooldown``)."""
     first_stage = block.placement.stages_per_device[0][0]
     last_start = block.offsets[(Kind.F, first_stage)] + block.interval * (num_microbatches - 1)
     return last_start < block.offsets[(Kind.B, first_stage)]
@@ -268,10 +311,11 @@ def _earliest(plan: _Plan, action: Action) -> int:
     return ready + 1
 
 
-def _reorder_explicit(plan: _Plan, visit: list[Action]) -> float:
-    """Move each visited pass to the earliest free slot after its inputs that keeps the device's
-    peak within the largest peak over all devices. W is explicit: an F moved from t to s adds its
-    change to the levels of [s, t); a B or W (which free) never raises them. Returns that budget."""
+def _pull_warmup_and_cooldown(plan: _Plan, visit: list[Action]) -> float:
+    """Phase 3, pattern: each visited pass (warm-up, then cool-down, F, B and W) to the earliest free
+    slot after its inputs that keeps the device's peak within the largest peak over all devices.
+    W is explicit: an F moved from t to s adds its change to the levels of [s, t); a B or W (which
+    free) never raises them. Returns that budget."""
     levels = [explicit_levels(plan.at[d], plan.deltas[d]) for d in range(len(plan.at))]
     budget = max(max(level) for level in levels)
     for action in visit:
@@ -281,38 +325,91 @@ def _reorder_explicit(plan: _Plan, visit: list[Action]) -> float:
         start = _earliest(plan, action)
         if start >= current:
             continue
-        if action.kind is Kind.F:
-            # The levels an earlier F would raise must stay below the budget.
+        # The levels an earlier F would raise must stay below the budget (max() first: in C, and
+        # it almost always passes).
+        if action.kind is Kind.F and max(level[start:current]) + deltas.f > budget:
             for s in range(current - 1, start - 1, -1):
                 if level[s] + deltas.f > budget:
                     start = s + 1
                     break
-        target = next((s for s in range(start, current) if row[s] is None), None)
-        if target is None:
+        try:
+            target = row.index(None, start, current)
+        except ValueError:  # no free slot before the pass
             continue
         plan.move(action, target)
         step = deltas.f if action.kind is Kind.F else deltas.w if action.kind is Kind.W else deltas.b
         if step:
-            for s in range(target, current):
-                level[s] += step
+            level[target:current] = [value + step for value in level[target:current]]
     return budget
+
+
+def _squeeze_slots(plan: _Plan) -> None:
+    """Phase 4, pattern: every pass (F, B and W) at the first slot after its device's previous pass
+    and after its inputs, one slot per pass, no comm: the squeeze in slot time.
+
+    The pulls move passes into *free* slots. Before this squeeze many free slots are not waits at
+    all, only slots the squeeze removes anyway; a pass pulled there gains nothing while the real
+    waits stay empty. Squeezed, every free slot is a wait, so the cool-down pull that follows fills
+    those. (V-Min d = 6, m = 6, equal costs: 0.333 -> 0.321 bubble; V-Half d = 10, m = 10: 0.318 ->
+    0.294; never worse on d = 2..16, m = d..8d, three cost settings.) Each device keeps its order
+    and W stays explicit, so no peak changes.
+    """
+    at = plan.at
+    squeezed: list[list[Action | None]] = [[None] * len(row) for row in at]
+    free = [0] * len(at)
+    slot = plan.slot
+    last_stage = plan.num_stages - 1
+    # Slot order across all devices is an order of inputs first (every input has an earlier slot),
+    # so each pass's inputs already hold their squeezed slots when it is placed.
+    end = _used_slots(plan)
+    for column in zip(*(row[:end] for row in at)):
+        for device, action in enumerate(column):
+            if action is None:
+                continue
+            kind, stage, mb = action
+            start = free[device]
+            if kind is Kind.F:
+                if stage > 0:
+                    start = max(start, slot[(Kind.F, stage - 1, mb)] + 1)
+            elif kind is Kind.B:
+                start = max(start, slot[(Kind.F, stage, mb)] + 1)
+                if stage < last_stage:
+                    start = max(start, slot[(Kind.B, stage + 1, mb)] + 1)
+            else:
+                start = max(start, slot[(Kind.B, stage, mb)] + 1)
+            slot[action] = start
+            squeezed[device][start] = action
+            free[device] = start + 1
+    at[:] = squeezed
 
 
 def _lazy_peak(plan: _Plan, device: int) -> float:
     return LazyMemory(plan.at[device], 0.0, plan.deltas[device]).peak()
 
 
+def _pull_cooldown_lazily(plan: _Plan, num_microbatches: int, cooldown_after: int | None) -> float:
+    """Phase 6, pattern: each F and B of the cool-down to the first free slot after its inputs whose
+    device peak, W implicit, stays within the largest such peak over all devices. Returns it."""
+    _, cooldown = _warmup_and_cooldown(plan, num_microbatches, cooldown_after)
+    budget = max(_lazy_peak(plan, d) for d in range(len(plan.at)))
+    _reorder_lazy(plan, [a for a in cooldown if a.kind is not Kind.W], budget)
+    return budget
+
+
 def _reorder_lazy(plan: _Plan, visit: list[Action], budget: int) -> None:
-    """As :func:`_reorder_explicit`, with W implicit: try the free slots after the inputs in
+    """As :func:`_pull_warmup_and_cooldown`, with W implicit: try the free slots after the inputs in
     order and keep the first whose device peak stays within ``budget``."""
     memories: dict[int, LazyMemory] = {}
     for action in visit:
         device = plan.device_of[action.stage]
         row = plan.at[device]
         current = plan.slot[action]
-        for s in range(_earliest(plan, action), current):
-            if row[s] is not None:
-                continue
+        s = _earliest(plan, action) - 1
+        while True:  # the free slots before the pass, in order (row.index finds each in C)
+            try:
+                s = row.index(None, s + 1, current)
+            except ValueError:
+                break
             memory = memories.get(device)
             if memory is None:
                 memory = memories[device] = LazyMemory(row, budget, plan.deltas[device])

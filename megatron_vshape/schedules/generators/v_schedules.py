@@ -18,6 +18,8 @@ from ..core.schedule import Costs, Placement, Schedule, ScheduleError
 from ..core.simulator import simulate
 from .block import BuildingBlock, fill_w
 from .block_schedule import schedule_from_block
+from .solved import solved_for
+from .zero_bubble import GreedyFamily, best_greedy
 
 V_INTERVAL = 6  # two chunks x (F, B, W) of one slot each
 
@@ -79,8 +81,6 @@ def _greedy_alternative(own: Schedule, num_devices: int, num_microbatches: int, 
         return []
 
     def build() -> Schedule:
-        from .zero_bubble import GreedyFamily, best_greedy  # zero_bubble's builders are heavier imports
-
         caps = _memory_caps(simulate(own, costs), costs)
         family = GreedyFamily(own.name, Placement.v_shape, lambda d, c: caps)
         return best_greedy(family, num_devices, num_microbatches, costs)
@@ -90,8 +90,6 @@ def _greedy_alternative(own: Schedule, num_devices: int, num_microbatches: int, 
 
 def _solved_alternatives(num_devices: int, num_microbatches: int, costs: Costs) -> list:
     """The exact solver's cached schedules of this cell (exact.solved; small cells, exact costs only)."""
-    from .solved import solved_for  # exact imports the registry, which imports this module
-
     return [("solved (cached)", cell.schedule) for cell in solved_for(num_devices, num_microbatches, costs)]
 
 
@@ -107,6 +105,8 @@ def _memory_caps(own_result, costs: Costs) -> list[float]:
 
 def _best_within(own: Schedule, costs: Costs, alternatives) -> Schedule:
     """``own``, or the alternative with the smallest makespan whose peak is no larger (ties: ``own``)."""
+    if not alternatives:  # d > 8 and no cached cell: nothing to compare, so no simulation (0.4 s at d=64)
+        return own
     best, best_result, label = own, simulate(own, costs), None
     caps = _memory_caps(best_result, costs)
     for name, build in alternatives:

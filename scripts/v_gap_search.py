@@ -1,0 +1,346 @@
+#!/usr/bin/env python
+"""V-Min and V-Half against stronger searches at the same memory: where do the generators lose?
+
+    python scripts/v_gap_search.py                                   # the table (d 2..16, m d/2d/4d)
+    python scripts/v_gap_search.py --devices 6,10 --factors 1 --costs a_equal
+    python scripts/v_gap_search.py --json out/gaps.json --markdown   # the table for docs/schedules.md
+
+For every cell (schedule, d, m, costs) the generator's schedule sets the memory: its peak, worst
+device. Four searches then look for a schedule with a smaller makespan and no higher peak:
+
+* ``greedy``: the greedy V scheduler capped at that peak (``zero_bubble.best_greedy``), another
+  family of schedules altogether;
+* ``offsets``: a local search over the building block's F/B offsets (one offset of one device
+  moved by 1, 2, 3 or 6 slots, W by ``fill_w``), each block through the slot reorder, first
+  improvement, for ``--seconds`` x OFFSETS_SHARE (or ``--evaluations`` x OFFSETS_SHARE blocks);
+* ``idle-fill``: the generator's schedule (and the offsets search's) replayed in real time with
+  every wait filled by a ready pass within a look-ahead of 2d passes, no device above the peak
+  (``reorder.fill_idle``, which the generators apply only to the plain repeated block);
+* ``order``: a local search over the device programs of the best schedule so far: a later pass that
+  is ready pulled into a wait, or the input a waiting pass waited for pulled ahead on its own
+  device (first improvement of (makespan, sum of end times), the peak held);
+* ``cp-sat``: the exact model (``schedules.exact``) with the best schedule so far as its hint and
+  a time limit, on cells of at most ``--cpsat-max-passes`` passes. An improvement it finds is a
+  gap; no proof is needed.
+
+The local searches stop at a CPU-time budget (the table: every cell gets the same time) or, given
+``--evaluations``, at a count of schedules tried, which makes them independent of the machine's
+speed (the tests). A cell is reported when the best of them wins by more than ``--report`` (0.5 %). The searches are
+heuristics: a cell without a gap is one where they found none, not a proof. The authors' grid
+(their generator on cells this repository does not hold) is checked elsewhere; this table is
+the proxy (issue 34).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_vshape.schedules.core.actions import Kind  # noqa: E402
+from megatron_vshape.schedules.core.dependencies import dependencies  # noqa: E402
+from megatron_vshape.schedules.core.inputs import EPS  # noqa: E402
+from megatron_vshape.schedules.core.schedule import Costs, Placement, Schedule, ScheduleError  # noqa: E402
+from megatron_vshape.schedules.core.simulator import SimulationResult, simulate  # noqa: E402
+from megatron_vshape.schedules.generators.block import BuildingBlock  # noqa: E402
+from megatron_vshape.schedules.generators.block_schedule import schedule_from_block  # noqa: E402
+from megatron_vshape.schedules.generators.reorder import fill_idle  # noqa: E402
+from megatron_vshape.schedules.generators.slot_reorder import slot_schedule  # noqa: E402
+from megatron_vshape.schedules.generators.v_schedules import (  # noqa: E402
+    v_block,
+    v_half,
+    v_half_block,
+    v_min,
+    v_min_block,
+)
+from megatron_vshape.schedules.generators.zero_bubble import GreedyFamily, best_greedy  # noqa: E402
+
+COSTS = {
+    "a_equal": Costs(),
+    "b_unequal": Costs.parse("f=1,b=1.1,w=0.9,comm=0"),
+    "c_unequal_comm": Costs.parse("f=1,b=1.1,w=0.9,comm=0.05"),
+}
+GENERATORS = {"v-min": (v_min, v_min_block), "v-half": (v_half, v_half_block)}
+OFFSET_STEPS = (-1, 1, -2, 2, -3, 3, -6, 6)
+OFFSETS_SHARE = 0.6  # of the budget; the order search gets the rest
+_ORDER_WINDOW = 6  # positions a pass may be pulled ahead in one move
+
+
+@dataclass
+class Row:
+    schedule: str
+    devices: int
+    microbatches: int
+    costs: str
+    makespan: float
+    bubble: float
+    peak: float
+    best_makespan: float
+    best_bubble: float
+    best_peak: float
+    found_by: str  # the search that found the best schedule ("" when none beat the generator)
+    gain: float  # 1 - best / own makespan
+    seconds: float
+
+
+class Budget:
+    """CPU seconds and, optionally, a number of schedules tried: spent when either runs out."""
+
+    def __init__(self, seconds: float, evaluations: int | None = None) -> None:
+        self.seconds, self.evaluations = seconds, evaluations
+        self.began, self.tried = time.process_time(), 0
+
+    def count(self) -> None:
+        self.tried += 1
+
+    def spent(self) -> bool:
+        if self.evaluations is not None and self.tried >= self.evaluations:
+            return True
+        return time.process_time() - self.began >= self.seconds
+
+
+def _fits(result: SimulationResult, cap: float) -> bool:
+    return result.peak_memory_max <= cap + EPS
+
+
+class _Best:
+    """The best schedule so far of one cell, and which search found it."""
+
+    def __init__(self, schedule: Schedule, result: SimulationResult, cap: float) -> None:
+        self.schedule, self.result, self.cap, self.found_by = schedule, result, cap, ""
+
+    def offer(self, schedule: Schedule | None, costs: Costs, by: str) -> None:
+        if schedule is None:
+            return
+        result = simulate(schedule, costs)
+        if _fits(result, self.cap) and result.makespan < self.result.makespan - EPS:
+            self.schedule, self.result, self.found_by = schedule, result, by
+
+
+def greedy_at(cap: float, d: int, m: int, costs: Costs) -> Schedule | None:
+    family = GreedyFamily("greedy", Placement.v_shape, lambda devices, c: [cap] * devices)
+    try:
+        return best_greedy(family, d, m, costs)
+    except ScheduleError:  # the greedy stalls under this cap
+        return None
+
+
+def _starts(block: BuildingBlock) -> list[list[int]]:
+    return [[block.offsets[(Kind.F, c0)], block.offsets[(Kind.F, c1)], block.offsets[(Kind.B, c1)],
+             block.offsets[(Kind.B, c0)]] for c0, c1 in block.placement.stages_per_device]
+
+
+def _block_result(starts, m: int, costs: Costs, cap: float):
+    """The block of these starts through the slot reorder (cheap: what the search ranks by), or None
+    when it collides, breaks a dependency or needs more than ``cap``."""
+    if min(min(s) for s in starts) < 0:  # slots count from 0 (the slot reorder's rows)
+        return None, None
+    try:
+        block = v_block([tuple(s) for s in starts])
+        if block.collisions() or max(block.steady_peak()) > cap + EPS:
+            return None, None
+        schedule = slot_schedule(block, m, "offsets", cap)
+        result = None if schedule is None else simulate(schedule, costs)
+    except ScheduleError:  # no free slot for a W, a deadlock
+        return None, None
+    return (block, result) if result is not None and _fits(result, cap) else (None, None)
+
+
+def offsets_search(block: BuildingBlock, m: int, costs: Costs, cap: float, budget: Budget) -> Schedule | None:
+    """First-improvement descent over single offset moves; the best block is then built in full
+    (``schedule_from_block``: every reorder the generators have)."""
+    current = _starts(block)
+    best_block, best = _block_result(current, m, costs, cap)
+    if best is None:
+        return None
+    improved = True
+    while improved and not budget.spent():
+        improved = False
+        moves = ((device, which, step) for device in range(len(current)) for which in range(4) for step in OFFSET_STEPS)
+        for device, which, step in moves:
+            trial = [list(s) for s in current]
+            trial[device][which] += step
+            found_block, result = _block_result(trial, m, costs, cap)
+            budget.count()
+            if result is not None and result.makespan < best.makespan - EPS:
+                current, best_block, best, improved = trial, found_block, result, True
+                break
+            if budget.spent():
+                break
+    return schedule_from_block(best_block, m, costs, "offsets")
+
+
+def idle_fill(schedule: Schedule, costs: Costs, cap: float) -> Schedule:
+    d = schedule.num_devices
+    return fill_idle(schedule, costs, [cap] * d, lookahead=2 * d)[0]
+
+
+def _order_key(result: SimulationResult) -> tuple[float, float]:
+    # The makespan alone is flat under most single moves (only the worst device counts); the sum
+    # of all end times rewards every move that lets some pass finish sooner.
+    return round(result.makespan, 9), round(sum(iv.end for iv in result.timeline.values()), 6)
+
+
+def order_search(schedule: Schedule, costs: Costs, cap: float, budget: Budget) -> Schedule | None:
+    """First-improvement descent over moves of one pass ahead in its device's program."""
+    stages = schedule.num_stages
+    device_of = schedule.placement.device_of
+    programs = [list(p) for p in schedule.programs]
+
+    def build(progs) -> Schedule:
+        return Schedule("order", schedule.placement, schedule.num_microbatches, tuple(map(tuple, progs)))
+
+    best = simulate(build(programs), costs)
+    best_key = _order_key(best)
+    moved = False
+    while not budget.spent():
+        timeline = best.timeline
+
+        def arrival(dep, device, timeline=timeline):
+            return timeline[dep].end + (costs.comm if device_of(dep.stage) != device else 0.0)
+
+        where = {a: (device, i) for device, program in enumerate(programs) for i, a in enumerate(program)}
+        moves = []  # (device, from position, to position)
+        for device, program in enumerate(programs):
+            for i in range(1, len(program)):
+                waiting = program[i]
+                if timeline[waiting].start - timeline[program[i - 1]].end <= EPS:
+                    continue
+                moves.extend((device, j, i) for j in range(i + 1, min(i + 1 + _ORDER_WINDOW, len(program))))
+                inputs = dependencies(waiting, stages)
+                if inputs:
+                    late_device, late_at = where[max(inputs, key=lambda dep: arrival(dep, device))]
+                    moves.extend((late_device, late_at, late_at - k) for k in range(1, _ORDER_WINDOW + 1)
+                                 if late_at - k >= 0)
+        improved = False
+        for device, j, i in moves:
+            program = programs[device]
+            action = program[j]
+            jumped = program[i:j]
+            inputs = dependencies(action, stages)
+            if any(a.kind is action.kind and a.stage == action.stage for a in jumped):
+                continue  # each stage keeps its microbatch order (as every generator and the solver)
+            if any(dep in jumped for dep in inputs):
+                continue
+            ready = max((arrival(dep, device) for dep in inputs), default=0.0)
+            if ready >= timeline[program[i]].start - EPS:
+                continue  # it could not start any sooner there
+            trial = programs[:device] + [program[:i] + [action] + jumped + program[j + 1:]] + programs[device + 1:]
+            result = simulate(build(trial), costs)
+            budget.count()
+            if _fits(result, cap) and _order_key(result) < best_key:
+                programs, best, best_key, improved, moved = trial, result, _order_key(result), True, True
+                break
+            if budget.spent():
+                break
+        if not improved:
+            break
+    return build(programs) if moved else None
+
+
+def cpsat_search(schedule: Schedule, d: int, m: int, costs: Costs, cap: float, seconds: float) -> Schedule | None:
+    from megatron_vshape.schedules.core.schedule import one_f_one_b_peak
+    from megatron_vshape.schedules.exact import cpsat  # OR-Tools: the test extra
+    from megatron_vshape.schedules.exact.problem import build_problem, schedule_from_starts, starts_of
+
+    if not cpsat.solver_available():
+        return None
+    problem = build_problem(d, m, costs, memory_limit=cap / one_f_one_b_peak(d, costs))
+    outcome = cpsat.solve(problem, seconds, workers=1, hint=starts_of(problem, schedule))
+    return None if outcome.starts is None else schedule_from_starts(problem, outcome.starts, "cp-sat")
+
+
+def search_cell(name: str, d: int, m: int, label: str, seconds: float, cpsat_seconds: float,
+                cpsat_max_passes: int, evaluations: int | None = None) -> Row:
+    costs = COSTS[label]
+    began = time.process_time()
+    generate, block_of = GENERATORS[name]
+    own = generate(d, m, costs)
+    own_result = simulate(own, costs)
+    cap = own_result.peak_memory_max
+    best = _Best(own, own_result, cap)
+    best.offer(greedy_at(cap, d, m, costs), costs, "greedy")
+    best.offer(idle_fill(own, costs, cap), costs, "idle-fill")
+    share = None if evaluations is None else round(evaluations * OFFSETS_SHARE)
+    offsets = offsets_search(block_of(d), m, costs, cap, Budget(seconds * OFFSETS_SHARE, share))
+    best.offer(offsets, costs, "offsets")
+    if offsets is not None:
+        best.offer(idle_fill(offsets, costs, cap), costs, "offsets+idle-fill")
+    left = seconds - (time.process_time() - began)
+    rest = None if evaluations is None else evaluations - share
+    best.offer(order_search(best.schedule, costs, cap, Budget(max(left, 0.1 * seconds), rest)), costs,
+               f"{best.found_by}+order" if best.found_by else "order")
+    if 6 * d * m <= cpsat_max_passes and cpsat_seconds > 0:
+        best.offer(cpsat_search(best.schedule, d, m, costs, cap, cpsat_seconds), costs, "cp-sat")
+    mine, found = own_result, best.result
+    return Row(name, d, m, label, mine.makespan, mine.bubble_rate, cap, found.makespan, found.bubble_rate,
+               found.peak_memory_max, best.found_by, 1.0 - found.makespan / mine.makespan,
+               time.process_time() - began)
+
+
+def _int_list(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.extend(range(int(low), int(high or low) + 1))
+    return out
+
+
+def markdown(rows: list[Row], report: float) -> str:
+    flagged = [r for r in rows if r.gain > report]
+    lines = [f"{len(rows)} cells, {len(flagged)} where a search wins by more than {report:.1%}"
+             f" ({sum(r.seconds for r in rows):.0f} CPU s)", ""]
+    if flagged:
+        lines += ["| schedule | d | m | costs | ours: bubble (peak) | search: bubble (peak) | gain | found by |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r.schedule} | {r.devices} | {r.microbatches} | {r.costs} | {r.bubble:.4f} ({r.peak:g}) | "
+                  f"{r.best_bubble:.4f} ({r.best_peak:g}) | {r.gain:.2%} | {r.found_by} |" for r in flagged]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedules", default="v-min,v-half")
+    parser.add_argument("--devices", default="2-16", help="e.g. 2-16 or 4,6,9")
+    parser.add_argument("--factors", default="1,2,4", help="m = factor x d")
+    parser.add_argument("--costs", default=",".join(COSTS))
+    parser.add_argument("--seconds", type=float, default=3.0, help="CPU s per cell for the two local searches")
+    parser.add_argument("--evaluations", type=int, help="schedules tried per cell by the two local searches "
+                        "(with a large --seconds: results independent of the machine's speed)")
+    parser.add_argument("--cpsat-seconds", type=float, default=8.0)
+    parser.add_argument("--cpsat-max-passes", type=int, default=300, help="6 d m at most (d=5, m=10: 300)")
+    parser.add_argument("--report", type=float, default=0.005, help="gain above which a cell is a gap")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", action="store_true", help="print the gap table for docs/schedules.md")
+    args = parser.parse_args(argv)
+    rows = []
+    began = time.perf_counter()
+    for d in _int_list(args.devices):
+        for factor in _int_list(args.factors):
+            for label in args.costs.split(","):
+                for name in args.schedules.split(","):
+                    row = search_cell(name, d, factor * d, label, args.seconds, args.cpsat_seconds,
+                                      args.cpsat_max_passes, args.evaluations)
+                    rows.append(row)
+                    mark = "  GAP" if row.gain > args.report else ""
+                    print(f"{name:6} d={d:2} m={row.microbatches:3} {label:14} ours {row.bubble:.4f} ({row.peak:g})"
+                          f"  search {row.best_bubble:.4f} ({row.best_peak:g}) {row.gain:+.2%} {row.found_by:14}"
+                          f" {row.seconds:5.1f}s{mark}", flush=True)
+    wall = time.perf_counter() - began
+    print(f"wall {wall:.0f} s")
+    if args.markdown:
+        print(markdown(rows, args.report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"wall_s": wall, "report": args.report, "rows": [asdict(r) for r in rows]},
+                                        indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
