@@ -225,3 +225,17 @@ def test_large_cells_try_the_cool_down_starts_when_it_follows_the_warm_up():
     chosen = simulate(v_half(d, d, Costs())).makespan
     default = simulate(slot_reorder.slot_schedule(block, d, "x", math.inf)).makespan
     assert chosen < default - 1e-9
+
+
+def test_per_stage_costs_keep_the_lower_peak_at_equal_makespan():
+    """Several cool-down starts compete under per-stage costs; at equal makespan and worst peak the one
+    with the lower peak elsewhere wins (one start raised V-Half's device 0 from 1.25 to 1.5 units at
+    d = 2, m = 4 on layers 1,3,2,2 for no makespan: the runtime's measured memory then left the simulator's
+    prediction, tests/runtime/test_uneven_layout_exact.py)."""
+    from megatron_vshape.schedules.core.schedule import StageWork
+    from megatron_vshape.schedules.generators.registry import get_schedule
+
+    costs = Costs().with_stages(tuple(StageWork(w, w, w, w) for w in (0.5, 1.5, 1.0, 1.0)))
+    result = simulate(get_schedule("v-half", 2, 4, costs), costs)
+    assert result.makespan == pytest.approx(30.0)
+    assert result.peak_memory == pytest.approx((1.25, 2.5))
