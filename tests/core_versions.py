@@ -51,7 +51,13 @@ def require_interpreter(minor: str) -> str:
     variable = INTERPRETER_VARIABLE[minor]
     reason = (f"needs megatron-core {minor}.x: this interpreter has {installed_minor() or 'none'}; "
               f"set {variable} to an interpreter that has it")
-    if os.environ.get("CI") == "true":  # .ci/run builds both versions: CI must run every version's tests
+    missing(reason)
+
+
+def missing(reason: str) -> None:
+    """Skip a test whose prerequisite is missing, saying how to get it; fail instead under CI (.ci/run
+    provides every prerequisite: CI must run every version's tests)."""
+    if os.environ.get("CI") == "true":
         pytest.fail(f"CI: {reason}")
     pytest.skip(reason)
 
@@ -68,9 +74,7 @@ def main_checkout_source() -> Path:
         return path
     reason = (f"no Megatron-LM main checkout at {path} (needs megatron/ and pretrain_gpt.py); "
               f"set {MAIN_CHECKOUT_VARIABLE}=/path/to/Megatron-LM (main at d98e8a64)")
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI: {reason}")
-    pytest.skip(reason)
+    missing(reason)
 
 
 def copy_main_checkout(destination: Path) -> Path:
