@@ -6,6 +6,7 @@ Examples::
     vshape simulate --schedule v-half --stages 4 --microbatches 8 --grid
     vshape simulate --schedule v-zb --stages 8 --microbatches 32 --costs f=1,b=1.1,w=0.9,comm=0.05 --json
     vshape simulate --schedule v-half --stages 2 --microbatches 8 --stage-costs "time=2,1,1,2;memory=1,1,1,3"
+    vshape simulate --schedule v-zb --stages 8 --microbatches 32 --vocab-parallel time=0.92
     vshape plot --schedule v-half --stages 4 --microbatches 8 -o v-half.png
     vshape export --schedule v-min --stages 4 --microbatches 8 --format torch-csv -o v-min.csv
     vshape import --format torch-csv v-min.csv --stages 4 --placement v
@@ -125,6 +126,11 @@ def _report(result, args) -> None:
         for name in ("f", "b", "w", "memory"):
             values = ",".join(f"{getattr(work, name):g}" for work in costs.stages)
             print(f"stage {name:<7} {values}")
+    if costs.vocab is not None:
+        v = costs.vocab
+        print(f"vocabulary    parallel over {schedule.num_devices} devices: f={v.f:g} b={v.b:g} w={v.w:g} "
+              f"memory={v.memory:g} (whole vocabulary, x one V chunk's passes), one H and one G per device "
+              "and microbatch")
     print(f"work          per device: {' '.join(f'{w:g}' for w in result.work_each)}")
     print(f"makespan      {result.makespan:g}   (work per device {result.work_per_device:g})")
     print(f"bubble rate   {result.bubble_rate:.4f}   ({result.bubble_rate:.1%})")

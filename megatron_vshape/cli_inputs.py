@@ -7,11 +7,12 @@ naming the flag and the fix) on a bad value or combination, before anything long
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from .cli_parser import UsageError
 from .schedules.core import inputs
-from .schedules.core.schedule import Costs, MemoryModel, Placement, parse_stage_work
+from .schedules.core.schedule import Costs, MemoryModel, Placement, VocabWork, parse_stage_work
 from .schedules.generators.registry import SCHEDULES
 
 
@@ -26,6 +27,9 @@ def costs_of(args) -> Costs:
     if stage_costs is not None:
         num_stages = args.stages * SCHEDULES[args.schedule].chunks_per_device(args.chunks)
         costs = costs.with_stages(parse_stage_work(stage_costs, num_stages))
+    vocab = getattr(args, "vocab_parallel", None)  # only `simulate` has the flag
+    if vocab is not None:
+        costs = replace(costs, vocab=VocabWork.parse(vocab))
     return costs
 
 

@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-stage multipliers of the --costs times and of activation memory, one value per stage in "
              "global stage order (V: 2d stages, stage 2d-1-i on device i; looped: d, interleaved: d x chunks); "
              "groups f=, b=, w=, memory= or time= (f, b and w together) separated by ';'; omitted keys stay 1")
+    simulate_p.add_argument(
+        "--vocab-parallel", default=None, metavar="time=0.92",
+        help="run the output layer and loss as vocabulary-parallel passes spread over every device (H: forward "
+             "and input gradient, a collective of all devices; G: weight gradient): their work over the whole "
+             "vocabulary as multiples of one V chunk's F, B, W (f=, b=, w=, or time= for all three) and memory= "
+             "what one microbatch holds from H to G, in V-chunk activations; --stage-costs is then the layers' "
+             "work alone")
 
     plot_p = sub.add_parser("plot", help="draw a schedule (PNG, SVG or PDF)")
     _add_selection(plot_p)

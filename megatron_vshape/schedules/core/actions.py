@@ -4,6 +4,11 @@ An action is one pass (F, B or W) of one stage on one microbatch. Stages are *gl
 indices (0 .. num_stages-1); which device runs a stage is the placement's business.
 The text form is ``F3.7`` (kind, stage, ``.``, microbatch) and round-trips through
 :func:`parse_action`.
+
+With vocabulary parallelism a schedule also holds the vocabulary passes (:class:`VocabKind`): their
+"stage" is the vocabulary shard, which is the pipeline device that holds it (``H2.5``: shard 2's
+output-layer pass of microbatch 5). They are a kind of their own so that every loop over the
+transformer passes (``for kind in Kind``) stays what it is.
 """
 
 from __future__ import annotations
@@ -28,12 +33,32 @@ class Kind(enum.Enum):
     __hash__ = object.__hash__
 
 
+class VocabKind(enum.Enum):
+    """The vocabulary passes of one shard (Yeung et al., MLSys 2025, here fused into one collective pass).
+
+    ``H``: the output layer and the loss of one microbatch on this shard's rows: its logits, the
+    softmax statistics gathered over every shard, the loss, and the shard's part of the final hidden
+    state's input gradient, reduced to the last stage. A *collective* pass: every shard's H of one
+    microbatch runs together (their collectives are one rendezvous of the pipeline group), so every
+    device holds the H passes in the same order. ``G``: the shard's output-layer weight gradient, a
+    W like any other (deferrable).
+    """
+
+    H = "H"
+    G = "G"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __hash__ = object.__hash__  # singletons (see Kind)
+
+
 class Action(NamedTuple):
     """Immutable; a NamedTuple rather than a dataclass because schedules hold hundreds of
     thousands of actions as dict keys, and tuple hashing is done in C."""
 
-    kind: Kind
-    stage: int
+    kind: Kind | VocabKind
+    stage: int  # a vocabulary pass: its shard (= the device that holds it)
     microbatch: int
 
     def __str__(self) -> str:
@@ -43,16 +68,17 @@ class Action(NamedTuple):
         return f"Action({self})"
 
 
-_ACTION_RE = re.compile(r"^\s*([FBW])(\d+)\.(\d+)\s*$")
+_ACTION_RE = re.compile(r"^\s*([FBWHG])(\d+)\.(\d+)\s*$")
+_KIND_OF_LETTER = {kind.value: kind for kind in (*Kind, *VocabKind)}
 
 
 def parse_action(text: str) -> Action:
     """Inverse of ``str(action)``: ``parse_action("B2.5") == Action(Kind.B, 2, 5)``."""
     match = _ACTION_RE.match(text)
     if match is None:
-        raise ValueError(f"not an action: {text!r} (expected e.g. 'F0.3', 'B2.5', 'W1.0')")
+        raise ValueError(f"not an action: {text!r} (expected e.g. 'F0.3', 'B2.5', 'W1.0', 'H1.0')")
     kind, stage, microbatch = match.groups()
-    return Action(Kind(kind), int(stage), int(microbatch))
+    return Action(_KIND_OF_LETTER[kind], int(stage), int(microbatch))
 
 
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the paper
@@ -65,3 +91,11 @@ def B(stage: int, microbatch: int) -> Action:  # noqa: N802
 
 def W(stage: int, microbatch: int) -> Action:  # noqa: N802
     return Action(Kind.W, stage, microbatch)
+
+
+def H(shard: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(VocabKind.H, shard, microbatch)
+
+
+def G(shard: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(VocabKind.G, shard, microbatch)

@@ -32,10 +32,18 @@ def pass_deltas(placement: Placement, costs: Costs, memory: MemoryModel = Memory
 
     ``unit``: memory units per counted unit (2.0 counts V chunk activations: one uniform V
     F = 1; a power of two, so every count stays exactly the simulator's, scaled).
+    With ``costs.vocab``, the vocabulary passes' kinds (H, G) follow at ``(3 + i) * num_stages + shard``.
     """
     stages = range(placement.num_stages)
     costs.check_stages(placement.num_stages)
-    return tuple(memory.delta(kind, activation(placement, stage, costs) * unit) for kind in KINDS for stage in stages)
+    deltas = tuple(memory.delta(kind, activation(placement, stage, costs) * unit) for kind in KINDS for stage in stages)
+    if costs.vocab is None:
+        return deltas
+    # Vocabulary passes (H then G, one shard per device): H allocates what its G frees. In units of one
+    # microbatch over L/d layers, like stage_activation (one V chunk F is half of one).
+    held = costs.vocab.shard_memory(placement.num_devices) / 2.0 * unit
+    pad = (0.0,) * (placement.num_stages - placement.num_devices)
+    return deltas + (held,) * placement.num_devices + pad + (-held,) * placement.num_devices + pad
 
 
 class MemoryLedger:

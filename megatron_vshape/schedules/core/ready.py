@@ -41,13 +41,27 @@ class InputTable(NamedTuple):
 
 
 def input_table(device_of: Sequence[int], num_microbatches: int, comm: float,
-                fused_backward: bool = False) -> InputTable:
-    """The inputs of every (kind, stage) of a placement (``device_of[stage]``)."""
+                fused_backward: bool = False, vocab_shards: int = 0) -> InputTable:
+    """The inputs of every (kind, stage) of a placement (``device_of[stage]``).
+
+    ``vocab_shards`` > 0: the vocabulary passes too (kinds H and G after F, B, W; shard r on device r).
+    Their collective inputs are not in the table: every shard's H of a microbatch starts together (the
+    timing core's rendezvous), so only the last stage's device lists H's input (the last F, on it) and
+    the last B's (its H, on it); G needs its own H.
+    """
     num_stages, m = len(device_of), num_microbatches
     per_kind = num_stages * m
     grad = -(m + (per_kind if fused_backward else 0))  # B(s) waits for pass id x + m (+ per_kind)
-    first, first_delay = [0] * (3 * num_stages), [0.0] * (3 * num_stages)
-    second, second_delay = [0] * (3 * num_stages), [0.0] * (3 * num_stages)
+    kinds = 5 if vocab_shards else 3
+    first, first_delay = [0] * (kinds * num_stages), [0.0] * (kinds * num_stages)
+    second, second_delay = [0] * (kinds * num_stages), [0.0] * (kinds * num_stages)
+    if vocab_shards:
+        last = num_stages - 1
+        holder = device_of[last]  # H of this shard is the one on the last stage's device
+        first[3 * num_stages + holder] = (3 * num_stages + holder - last) * m  # H <- F(last)
+        second[num_stages + last] = (num_stages + last - 3 * num_stages - holder) * m  # B(last) <- H
+        for shard in range(vocab_shards):
+            first[4 * num_stages + shard] = per_kind  # G <- its H
     for stage, device in enumerate(device_of):
         if stage:
             first[stage] = m
@@ -61,7 +75,8 @@ def input_table(device_of: Sequence[int], num_microbatches: int, comm: float,
 
 def ready_rule(device_of: Sequence[int], num_microbatches: int, comm: float,
                fused_backward: bool = False) -> ReadyRule:
-    """The ready-time function of a placement (``device_of[stage]``) for ``num_microbatches``."""
+    """The ready-time function of a placement (``device_of[stage]``) for ``num_microbatches`` (the
+    transformer passes: the generators' rule)."""
     m, first, first_delay, second, second_delay = input_table(device_of, num_microbatches, comm, fused_backward)
 
     def ready(pass_id: int, end: Sequence[float]) -> float:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from . import inputs
-from .actions import Action, Kind, parse_action
+from .actions import Action, Kind, VocabKind, parse_action
 
 
 class ScheduleError(ValueError):
@@ -98,12 +98,68 @@ class StageWork:
         return self.f == self.b == self.w == self.memory == 1.0
 
 
+VOCAB_WORK_FIELDS = ("f", "b", "w", "memory")
+
+
+@dataclass(frozen=True)
+class VocabWork:
+    """The vocabulary layers' work under vocabulary parallelism, spread evenly over the pipeline devices.
+
+    ``f``, ``b``, ``w``: the output layer and loss's forward, input-gradient and weight-gradient time
+    over the WHOLE vocabulary, as multiples of one V chunk's F, B and W (Costs' base values; the Llama-3
+    8B head at PP 8 is about 0.92 of each). ``memory``: what one microbatch's output layer holds from its
+    H pass to its G pass over the whole vocabulary (the logits' gradient and the final hidden state), in
+    units of one V chunk F's activation. Each of ``p`` shards does 1/p of it. The embedding's lookup is
+    taken as free (its reductions run once per iteration, outside the passes).
+    """
+
+    f: float = 0.0
+    b: float = 0.0
+    w: float = 0.0
+    memory: float = 0.0
+
+    def __post_init__(self) -> None:
+        bad = [f"{name}={getattr(self, name)}" for name in VOCAB_WORK_FIELDS
+               if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0)]
+        if bad:
+            raise ScheduleError(f"vocabulary work must be finite numbers >= 0; got {', '.join(bad)}")
+
+    @classmethod
+    def parse(cls, text: str, flag: str = "--vocab-parallel") -> VocabWork:
+        """``"time=0.92"`` (f, b and w alike) or ``"f=0.9,b=0.9,w=1.1,memory=0.3"``; omitted keys are 0."""
+        values: dict[str, float] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, raw = item.partition("=")
+            key = key.strip().lower()
+            names = VOCAB_WORK_FIELDS[:3] if key == "time" else (key,)
+            if not sep or not set(names) <= set(VOCAB_WORK_FIELDS):
+                raise inputs.InputError(f"{flag}: bad item {item[:40]!r}; use e.g. time=0.92 or f=0.9,b=0.9,w=1,memory=0.3")
+            value = inputs.comm_cost(f"{flag}: {key}", raw.strip())
+            for name in names:
+                if name in values:
+                    raise inputs.InputError(f"{flag}: {name} is given twice")
+                values[name] = value
+        return cls(**values)
+
+    def shard_times(self, costs: Costs, shards: int) -> tuple[float, float]:
+        """(H, G) time of one shard's passes of one microbatch: H is the forward and the input gradient
+        plus two messages' worth of collectives (the final hidden state out, its gradient back; the
+        statistics' gather is a few numbers per token), G the weight gradient."""
+        h = (costs.f * self.f + costs.b * self.b) / shards + 2 * costs.comm
+        return h, costs.w * self.w / shards
+
+    def shard_memory(self, shards: int) -> float:
+        return self.memory / shards
+
+
 @dataclass(frozen=True)
 class Costs:
     """Time of one pass over L/(2d) layers (one V chunk), and of one point-to-point message.
 
     ``stages`` (optional) scales each stage's passes and activation memory, indexed by the
     schedule's global stage index; empty means every stage is alike (the uniform model).
+    ``vocab``: the vocabulary layers' work when they run as vocabulary-parallel passes (then the stages'
+    work is the layers' alone); None: no vocabulary passes.
     """
 
     f: float = 1.0
@@ -111,6 +167,7 @@ class Costs:
     w: float = 1.0
     comm: float = 0.0
     stages: tuple[StageWork, ...] = ()
+    vocab: VocabWork | None = None
 
     def __post_init__(self) -> None:
         # NaN passes every `<= 0` check and hangs the reorder; infinity makes all times equal.
@@ -123,6 +180,8 @@ class Costs:
         if not all(isinstance(work, StageWork) for work in stages):
             raise ScheduleError("Costs.stages must hold StageWork values (one per stage)")
         object.__setattr__(self, "stages", stages)
+        if self.vocab is not None and not isinstance(self.vocab, VocabWork):
+            raise ScheduleError("Costs.vocab must be a VocabWork (or None)")
 
     def of(self, kind: Kind, stage: int | None = None) -> float:
         """Time of one ``kind`` pass of one V chunk's layers on ``stage`` (base time when uniform)."""
@@ -135,6 +194,11 @@ class Costs:
     def memory_of(self, stage: int) -> float:
         """Multiplier of ``stage``'s activation memory per microbatch (1.0 when uniform)."""
         return self.stages[stage].memory if self.stages else 1.0
+
+    def without_vocab(self) -> Costs:
+        """The costs of the transformer passes alone (what a generator schedules before the vocabulary
+        passes are placed)."""
+        return replace(self, vocab=None) if self.vocab is not None else self
 
     def with_stages(self, stages) -> Costs:
         """A copy with per-stage work ``stages`` (a sequence of StageWork; empty: uniform)."""
@@ -269,6 +333,9 @@ class Schedule:
     # follows its B and the runtime runs the pair as one ordinary backward, so the input gradient
     # leaves the device only when the pair ends.
     fused_backward: bool = False
+    # True when the programs also hold the vocabulary passes (H and G of every shard and microbatch;
+    # see actions.VocabKind and generators/vocab_passes.py).
+    vocab_parallel: bool = False
 
     @property
     def num_devices(self) -> int:
@@ -279,9 +346,18 @@ class Schedule:
         return self.placement.num_stages
 
     def device_of(self, action: Action) -> int:
+        if isinstance(action.kind, VocabKind):
+            return action.stage  # a vocabulary shard lives on the device of its index
         return self.placement.device_of(action.stage)
 
+    @property
+    def vocab_shards(self) -> int:
+        """Vocabulary shards (one per device) when the programs hold vocabulary passes, else 0."""
+        return self.num_devices if self.vocab_parallel else 0
+
     def pass_cost(self, action: Action, costs: Costs) -> float:
+        if isinstance(action.kind, VocabKind):
+            return vocab_pass_times(costs, self.num_devices)[action.kind is VocabKind.G]
         return costs.of(action.kind, action.stage) * self.placement.layer_scale
 
     def activation(self, stage: int | None = None, costs: Costs | None = None) -> float:
@@ -307,7 +383,16 @@ class Schedule:
         if len(programs) != placement.num_devices:
             raise ScheduleError(f"{len(programs)} program lines for {placement.num_devices} devices")
         microbatches = {a.microbatch for program in programs for a in program}
-        return cls(name, placement, max(microbatches) + 1 if microbatches else 0, programs)
+        vocab = any(isinstance(a.kind, VocabKind) for program in programs for a in program)
+        return cls(name, placement, max(microbatches) + 1 if microbatches else 0, programs, vocab_parallel=vocab)
+
+
+def vocab_pass_times(costs: Costs, shards: int) -> tuple[float, float]:
+    """(H, G) time of one shard's vocabulary passes; ScheduleError when ``costs`` carry no vocabulary work."""
+    if costs.vocab is None:
+        raise ScheduleError("this schedule holds vocabulary passes: give their costs (Costs.vocab, "
+                            "--vocab-parallel on the command line)")
+    return costs.vocab.shard_times(costs, shards)
 
 
 def stage_activation(placement: Placement, stage: int, costs: Costs) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .actions import Action
 from .gc_pause import without_gc
 from .ledger import pass_deltas
-from .schedule import Costs, MemoryModel, Schedule, ScheduleError
+from .schedule import Costs, MemoryModel, Schedule, ScheduleError, vocab_pass_times
 from .timing import KINDS, Interval, ProgramTimes, Timeline, run_programs, stage_durations
 
 __all__ = ["DeadlockError", "Interval", "SimulationResult", "simulate"]
@@ -53,6 +53,7 @@ class SimulationResult:
             "placement": self.schedule.placement.kind.value,
             "costs": {"f": self.costs.f, "b": self.costs.b, "w": self.costs.w, "comm": self.costs.comm},
             "stage_costs": [dataclasses.asdict(work) for work in self.costs.stages],
+            "vocab_parallel": None if self.costs.vocab is None else dataclasses.asdict(self.costs.vocab),
             "work_each_device": list(self.work_each),
             "makespan": self.makespan,
             "bubble_rate": self.bubble_rate,
@@ -67,9 +68,12 @@ def simulate(
     schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()
 ) -> SimulationResult:
     costs.check_stages(schedule.num_stages, f"schedule {schedule.name!r}")
+    if costs.vocab is not None and not schedule.vocab_parallel:
+        raise ScheduleError(f"schedule {schedule.name!r} holds no vocabulary passes but the costs give their "
+                            "work; build it with those costs (the registry places the passes)")
     times = _run_programs(schedule, costs)
     spans = [times.end[program[-1]] - times.start[program[0]] for program in times.programs if program]
-    work = _work(times, schedule.num_stages, costs.uniform)
+    work = _work(times, schedule.num_stages, costs.uniform and not schedule.vocab_parallel)
     makespan = max(spans, default=0.0)
     most_work = max(work, default=0.0)
     # The idle share of all devices' time. With uniform costs every device has the same work and this is
@@ -104,10 +108,12 @@ def _run_programs(schedule: Schedule, costs: Costs) -> ProgramTimes:
     scale = schedule.placement.layer_scale
     placement = schedule.placement
     per_stage = [tuple(costs.of(kind, stage) * scale for kind in KINDS) for stage in range(placement.num_stages)]
+    shards = schedule.num_devices if schedule.vocab_parallel else 0
+    vocab = vocab_pass_times(costs, shards) if shards else None
     times = run_programs(
         schedule.programs, [placement.device_of(s) for s in range(placement.num_stages)],
         schedule.num_stages, schedule.num_microbatches,
-        stage_durations(per_stage), costs.comm, schedule.fused_backward,
+        stage_durations(per_stage, vocab, shards), costs.comm, schedule.fused_backward, shards,
     )
     stuck = [str(schedule.programs[dev][times.cursor[dev]]) for dev in times.stuck]
     if stuck:
@@ -118,14 +124,18 @@ def _run_programs(schedule: Schedule, costs: Costs) -> ProgramTimes:
 def _memory_timeline(times: ProgramTimes, program: list[int], deltas) -> tuple[tuple[float, float], ...]:
     """Activation memory of one device after each allocation/release event, in units.
 
-    F allocates at its start; B and W release at their end. Releases at the same instant as an
-    allocation are applied first. A device runs its program in order, so its F starts and its
-    B/W ends each come in time order already: merging the two is enough (no sort).
+    F (and a vocabulary H) allocates at its start; B and W (and G) release at their end. Releases at
+    the same instant as an allocation are applied first. A device runs its program in order, so its
+    allocations and its releases each come in time order already: merging the two is enough (no sort).
     """
     per_kind = times.ids.per_kind
     m = times.ids.num_microbatches
-    allocs = [(times.start[x], deltas[x // m]) for x in program if x < per_kind]
-    releases = [(times.end[x], deltas[x // m]) for x in program if x >= per_kind]
+
+    def allocates(x: int) -> bool:
+        return x < per_kind or 3 * per_kind <= x < 4 * per_kind
+
+    allocs = [(times.start[x], deltas[x // m]) for x in program if allocates(x)]
+    releases = [(times.end[x], deltas[x // m]) for x in program if not allocates(x)]
     releases = [event for event in releases if event[1]]
     # Merge (releases first at equal times), then the running level.
     merged: list[tuple[float, float]] = []

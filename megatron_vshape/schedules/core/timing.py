@@ -10,6 +10,11 @@ woken when it is produced, so the cost is linear in the number of passes.
 
 The ready-time rule is :mod:`ready`'s: its table (``input_table``), which the generators' rule
 function also reads.
+
+Vocabulary passes (``vocab_shards`` > 0) add the kinds H and G after F, B, W (ids ``(kind *
+num_stages + shard) * m + microbatch``, shard < num_stages). H is a collective pass: a device that
+reaches H of microbatch k waits there until every device has (one rendezvous of the pipeline group
+on one in-order queue), and then all start together.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from .actions import Action, Kind
+from .actions import Action, Kind, VocabKind
 from .ready import UNSET, input_table
 
-KIND_INDEX = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
+KIND_INDEX = {Kind.F: 0, Kind.B: 1, Kind.W: 2, VocabKind.H: 3, VocabKind.G: 4}
 KINDS = (Kind.F, Kind.B, Kind.W)
+ALL_KINDS = (*KINDS, VocabKind.H, VocabKind.G)  # flat-id order with vocabulary passes
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class PassIds:
     def action(self, pass_id: int) -> Action:
         kind, rest = divmod(pass_id, self.per_kind)
         stage, microbatch = divmod(rest, self.num_microbatches)
-        return Action(KINDS[kind], stage, microbatch)
+        return Action(ALL_KINDS[kind], stage, microbatch)
 
 
 @dataclass
@@ -70,13 +76,14 @@ class ProgramTimes:
 
 def run_programs(
     programs, device_of_stage, num_stages: int, num_microbatches: int,
-    durations, comm: float, fused_backward: bool = False,
+    durations, comm: float, fused_backward: bool = False, vocab_shards: int = 0,
 ) -> ProgramTimes:
     """As-soon-as-possible execution of every device's program in order.
 
     ``durations``: (F, B, W) for every stage alike, or one time per (kind, stage), indexed by
-    ``kind * num_stages + stage`` (see :func:`stage_durations`). With ``fused_backward`` a B
-    waits for the W of the stage after it (the gradient leaves only when that fused B+W ends).
+    ``kind * num_stages + stage`` (see :func:`stage_durations`; with vocabulary passes, 5 kinds). With
+    ``fused_backward`` a B waits for the W of the stage after it (the gradient leaves only when that
+    fused B+W ends). ``vocab_shards``: the programs hold vocabulary passes, shard r on device r.
     """
     durations = tuple(durations)
     if len(durations) == 3:
@@ -84,10 +91,16 @@ def run_programs(
     ids = PassIds(num_stages, num_microbatches)
     m, per_kind = num_microbatches, num_stages * num_microbatches
     id_programs = [_ids_of(program, ids) for program in programs]
-    start = [0.0] * (3 * per_kind)
-    end = [UNSET] * (3 * per_kind)
+    kinds = 5 if vocab_shards else 3
+    start = [0.0] * (kinds * per_kind)
+    end = [UNSET] * (kinds * per_kind)
     # The shared ready-time rule's table (ready.input_table), read inline: see ready.py.
-    _, first, first_delay, second, second_delay = input_table(device_of_stage, m, comm, fused_backward)
+    _, first, first_delay, second, second_delay = input_table(device_of_stage, m, comm, fused_backward, vocab_shards)
+    # Collective passes (H) have ids in [first_collective, end_collective); without vocabulary passes no id
+    # reaches first_collective, so the hot loop pays one comparison.
+    first_collective = 3 * per_kind if vocab_shards else len(end)
+    end_collective = 4 * per_kind
+    arrived: dict[int, list[tuple[int, float, int]]] = {}  # microbatch -> (device, ready, pass id) at its H
     cursor = [0] * len(id_programs)
     free = [0.0] * len(id_programs)
     waiters: dict[int, list[int]] = {}
@@ -120,6 +133,24 @@ def run_programs(
                 e += second_delay[k]
                 if e > ready:
                     ready = e
+            if x >= first_collective and x < end_collective:
+                arrivals = arrived.setdefault(x % m, [])
+                if any(entry[0] == device for entry in arrivals):
+                    break  # already waiting at this rendezvous
+                arrivals.append((device, ready, x))
+                if len(arrivals) < vocab_shards:
+                    break  # the others are not there yet: the last to arrive releases everyone
+                ready = max(entry[1] for entry in arrivals)
+                for other, _, y in arrivals:
+                    start[y] = ready
+                    end[y] = ready + durations[y // m]
+                    if other != device:
+                        cursor[other] += 1
+                        free[other] = end[y]
+                        queue.append(other)
+                        woken = waiters.pop(y, None)
+                        if woken:
+                            queue.extend(woken)
             start[x] = ready
             now = ready + durations[k]
             end[x] = now
@@ -132,9 +163,14 @@ def run_programs(
     return ProgramTimes(ids, id_programs, start, end, cursor, durations)
 
 
-def stage_durations(per_stage) -> tuple[float, ...]:
-    """The flat duration table of :func:`run_programs` from ``per_stage[s] = (F, B, W)``."""
-    return tuple(times[kind] for kind in range(3) for times in per_stage)
+def stage_durations(per_stage, vocab: tuple[float, float] | None = None, vocab_shards: int = 0) -> tuple[float, ...]:
+    """The flat duration table of :func:`run_programs` from ``per_stage[s] = (F, B, W)``; ``vocab``: the
+    (H, G) time of each of ``vocab_shards`` shards (the rest of those kinds' rows is unused)."""
+    table = tuple(times[kind] for kind in range(3) for times in per_stage)
+    if vocab is None:
+        return table
+    pad = (0.0,) * (len(per_stage) - vocab_shards)
+    return table + (vocab[0],) * vocab_shards + pad + (vocab[1],) * vocab_shards + pad
 
 
 def _ids_of(program, ids: PassIds) -> list[int]:

@@ -21,6 +21,7 @@ from functools import cache
 from ..core.gc_pause import without_gc
 from ..core.schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError
 from . import adaptive, baselines, v_schedules, zero_bubble
+from .vocab_passes import with_vocab_passes
 
 # Largest microbatch count searched for one that passes a check (inputs.MAX caps the CLI at 65536).
 _MICROBATCH_SEARCH = 1 << 16
@@ -66,6 +67,9 @@ class ScheduleSpec:
     size_rule: SizeRule | None = None
     takes_memory_limit: bool = False  # build() accepts memory_limit (a fraction of 1F1B's peak)
     takes_chunks: bool = False  # build() honours chunks (model chunks per device on the looped placement)
+    # With vocabulary passes: their G may wait for idle gaps (zero-bubble schedules) instead of running
+    # right after its H (see vocab_passes.py).
+    vocab_g_in_gaps: bool = False
 
     def chunks_per_device(self, chunks: int = 2) -> int:
         """Model chunks each device holds: 2 on the V, ``chunks`` where the schedule takes them, else 1."""
@@ -102,8 +106,12 @@ class ScheduleSpec:
         if memory_limit is not None and not self.takes_memory_limit:
             raise ScheduleError(f"--memory-limit only applies to v-auto; {self.name} has a fixed memory footprint")
         costs.check_stages(num_devices * self.chunks_per_device(chunks), f"{self.name} on {num_devices} devices")
-        return self.generate(Request(num_devices, num_microbatches, costs, memory_limit, chunks,
-                                     memory if memory is not None else MemoryModel()))
+        # The generators schedule the layers; vocabulary passes (costs.vocab) are placed afterwards.
+        schedule = self.generate(Request(num_devices, num_microbatches, costs.without_vocab(), memory_limit, chunks,
+                                         memory if memory is not None else MemoryModel()))
+        if costs.vocab is not None:
+            schedule = with_vocab_passes(schedule, costs, self.vocab_g_in_gaps)
+        return schedule
 
     def min_microbatches(self, num_devices: int) -> int:
         """The fewest microbatches ``check`` accepts on ``num_devices`` (derived from it, never restated)."""
@@ -130,21 +138,25 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                      lambda r: baselines.interleaved_one_f_one_b(r.num_devices, r.num_microbatches, r.chunks),
                      size_rule=WHOLE_GROUPS, takes_chunks=True),
         ScheduleSpec("zb-h1", PlacementKind.LOOPED, "zero bubble, 1F1B's memory, 1F1B's in-flight count",
-                     lambda r: zero_bubble.zb_h1(r.num_devices, r.num_microbatches, r.costs, r.memory)),
+                     lambda r: zero_bubble.zb_h1(r.num_devices, r.num_microbatches, r.costs, r.memory),
+                     vocab_g_in_gaps=True),
         ScheduleSpec("zb-1p", PlacementKind.LOOPED, "zero bubble, memory capped at 1F1B's peak",
-                     lambda r: zero_bubble.zb_p(r.num_devices, r.num_microbatches, r.costs, 1, r.memory)),
+                     lambda r: zero_bubble.zb_p(r.num_devices, r.num_microbatches, r.costs, 1, r.memory),
+                     vocab_g_in_gaps=True),
         ScheduleSpec("zb-2p", PlacementKind.LOOPED, "zero bubble, memory capped at 2x 1F1B's peak",
-                     lambda r: zero_bubble.zb_p(r.num_devices, r.num_microbatches, r.costs, 2, r.memory)),
+                     lambda r: zero_bubble.zb_p(r.num_devices, r.num_microbatches, r.costs, 2, r.memory),
+                     vocab_g_in_gaps=True),
         ScheduleSpec("v-min", PlacementKind.V, "V placement, about 1/3 of 1F1B's activation memory",
                      lambda r: v_schedules.v_min(r.num_devices, r.num_microbatches, r.costs)),
         ScheduleSpec("v-half", PlacementKind.V, "V placement, about 1/2 of 1F1B's activation memory",
                      lambda r: v_schedules.v_half(r.num_devices, r.num_microbatches, r.costs)),
         ScheduleSpec("v-zb", PlacementKind.V, "V placement, 1F1B's memory, near-zero bubble",
-                     lambda r: zero_bubble.v_zb(r.num_devices, r.num_microbatches, r.costs, r.memory)),
+                     lambda r: zero_bubble.v_zb(r.num_devices, r.num_microbatches, r.costs, r.memory),
+                     vocab_g_in_gaps=True),
         ScheduleSpec("v-auto", PlacementKind.V,
                      "V placement, lowest bubble within --memory-limit X (x 1F1B's peak; default 1)",
                      lambda r: adaptive.v_auto(r.num_devices, r.num_microbatches, r.costs, r.memory_limit),
-                     takes_memory_limit=True),
+                     takes_memory_limit=True, vocab_g_in_gaps=True),
     )
 }
 

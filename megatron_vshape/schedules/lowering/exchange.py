@@ -40,6 +40,13 @@ exactly that, and the NCCL model shows it hanging).
 The receiving side labels its n-th receive of a channel with ``plan.recv_order[peer][n]`` (the
 lowering's contract), the sending side with its n-th send; they agree on every correct plan, and
 the NCCL model reports any slot where they do not (a swapped activation and gradient).
+
+**Collective passes** (vocabulary parallelism's H): their collectives run on the whole pipeline group's
+communicator (``Communicator(PIPELINE_GROUP, 0, d - 1)``), inside the step, so the step's COMPUTE op
+names that communicator. In the timed run an H starts on every rank at once, when the last rank
+reaches it (a rendezvous on one in-order queue), so all ranks' H of a microbatch share one place in G;
+every rank issues them in G order, which the validator has made one order on every rank. The argument
+above holds with the rendezvous as one more kind of event that runs on all its ranks at once.
 """
 
 from __future__ import annotations
@@ -49,11 +56,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..core.schedule import Costs
+from ..core.actions import VocabKind
+from ..core.schedule import Costs, vocab_pass_times
 from .drive import drive
-from .messages import CommError, DevicePlan, Message
+from .messages import CommError, DevicePlan, Message, with_arrivals
 
 PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
+PIPELINE_GROUP = "pipeline"  # the whole pipeline group (ranks lo..hi): the vocabulary passes' collectives
 # A send-only batch is waited for this many passes per pipeline rank after it (about a pipeline's
 # worth of passes: the receiver has posted by then; at most that many sent tensors stay alive).
 SEND_SLACK_PER_RANK = 2
@@ -69,6 +78,13 @@ class Communicator(NamedTuple):
     @classmethod
     def of(cls, group: str, a: int, b: int) -> Communicator:
         return cls(group, min(a, b), max(a, b))
+
+    @property
+    def members(self) -> frozenset[int]:
+        """The ranks of this communicator: the pair, or every rank lo..hi of the pipeline group."""
+        if self.group == PIPELINE_GROUP:
+            return frozenset(range(self.lo, self.hi + 1))
+        return frozenset((self.lo, self.hi))
 
 
 class Transfer(NamedTuple):
@@ -89,13 +105,16 @@ class OpKind(enum.Enum):
 
 class Op(NamedTuple):
     kind: OpKind
+    # POST: the batch's communicator; COMPUTE: the communicator of the collectives the step runs inside
+    # (a vocabulary H: the pipeline group), None for a step without collectives.
     communicator: Communicator | None = None
     transfers: tuple[Transfer, ...] = ()
     index: int = -1  # COMPUTE: the plan step; WAIT: the position of its POST in the program
 
     def __str__(self) -> str:
         if self.kind is OpKind.COMPUTE:
-            return f"compute step {self.index}"
+            inside = f" with collectives on {self.communicator.group}" if self.communicator is not None else ""
+            return f"compute step {self.index}{inside}"
         if self.kind is OpKind.WAIT:
             return f"wait op {self.index}"
         parts = ", ".join(f"{'warm-up' if t.message is None else t.message}" for t in self.transfers)
@@ -155,7 +174,7 @@ def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
             sequences[event.b].append(event)
     batches = _fuse(sequences)
     slack = SEND_SLACK_PER_RANK * len(plans)
-    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits)
+    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits, len(plans))
                  for rank in range(len(plans)))
 
 
@@ -196,14 +215,32 @@ def _timed_run(plans, sends, costs: Costs):
     starts: list[list[float]] = [[] for _ in plans]
     free = [0.0] * len(plans)
 
-    def needs(device, index):
+    devices = range(len(plans))
+    arrival: dict[tuple[int, int], float] = {}  # (microbatch, rank) -> when the rank reached its H
+    vocab = vocab_pass_times(costs, len(plans))[0] if costs.vocab is not None else 1.0
+
+    def needs(device, entry):
+        arrive, index, step = entry
+        if arrive:
+            return ()
+        if step.action.kind is VocabKind.H:
+            return [("at", step.action.microbatch, other) for other in devices]
         return waits_for[device][index]
 
-    def run(device, index):
-        step = plans[device].steps[index]
+    def run(device, entry):
+        arrive, index, step = entry
+        if arrive:
+            arrival[(step.action.microbatch, device)] = free[device]
+            return [("at", step.action.microbatch, device)]
+        if step.action.kind is VocabKind.H:  # a rendezvous: all start when the last one arrived
+            start = max(arrival[(step.action.microbatch, other)] for other in devices)
+            starts[device].append(start)
+            free[device] = start + vocab
+            return []
         start = max([free[device]] + [slot_time[key] for key in waits_for[device][index]])
         starts[device].append(start)
-        free[device] = start + costs.of(step.action.kind, step.action.stage)
+        free[device] = start + (costs.of(step.action.kind, step.action.stage)
+                                if not isinstance(step.action.kind, VocabKind) else 0.0)
         made = []
         for msg in step.sends:
             n = send_position[msg]
@@ -212,11 +249,22 @@ def _timed_run(plans, sends, costs: Costs):
             made.append(key)
         return made
 
-    cursor = drive([range(len(plan.steps)) for plan in plans], needs, run)
-    stuck = [f"device {d} at step {c}" for d, (c, plan) in enumerate(zip(cursor, plans)) if c < len(plan.steps)]
+    programs = [[(arrive, index, step) for index, (arrive, step) in enumerate_steps(plan.steps)] for plan in plans]
+    cursor = drive(programs, needs, run)
+    stuck = [f"device {d} at step {programs[d][c][1]}" for d, (c, program) in enumerate(zip(cursor, programs))
+             if c < len(program)]
     if stuck:
         raise CommError("p2p plan deadlocks (a receive waits for a message never sent before it): " + "; ".join(stuck))
     return starts, slot_time
+
+
+def enumerate_steps(steps):
+    """``(index, (arrive, step))`` of :func:`messages.with_arrivals`, with each step's plan index."""
+    index = -1
+    for arrive, step in with_arrivals(steps):
+        if not arrive:
+            index += 1
+        yield (index + 1 if arrive else index), (arrive, step)
 
 
 def _slot_keys(device: int, step, recv_position) -> list[tuple[int, int, int]]:
@@ -242,7 +290,8 @@ def _fuse(sequences) -> dict[_Event, int]:
     return batches
 
 
-def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_waits: bool = False) -> tuple[Op, ...]:
+def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_waits: bool = False,
+          num_ranks: int = 1) -> tuple[Op, ...]:
     """This rank's operations: each batch POSTed at its place in G; its WAIT as late as allowed.
 
     A batch that receives is waited for right before the first pass that consumes one of its
@@ -286,7 +335,9 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
                 wait(position)
             while sending and passes - sending[0][0] >= slack:
                 wait(sending.pop(0)[1])
-            ops.append(Op(OpKind.COMPUTE, index=event.b))
+            collective = plan.steps[event.b].action.kind is VocabKind.H
+            ops.append(Op(OpKind.COMPUTE, Communicator(PIPELINE_GROUP, 0, num_ranks - 1) if collective else None,
+                          index=event.b))
             passes += 1
             continue
         src, dst, n = event.a, event.b, event.n

@@ -12,6 +12,10 @@ simulates):
 
 Messages that stay on one device (the tip of the V, or two stages of one device) are not
 messages at all: the runtime hands the tensor over locally.
+
+Vocabulary passes (H, G) send and receive no messages: what they exchange travels in the pipeline
+group's collectives, which every device of a microbatch's H joins together (:func:`check_plan` runs
+them as one rendezvous).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..core.actions import Action, Kind
+from ..core.actions import Action, Kind, VocabKind
 from ..core.dependencies import dependencies
 from ..core.schedule import Schedule, ScheduleError
 from .drive import drive
@@ -80,6 +84,8 @@ def _message_rules(schedule: Schedule):
     device_of = [schedule.placement.device_of(stage) for stage in range(num_stages)]
 
     def incoming(action: Action) -> tuple[Message, ...]:
+        if isinstance(action.kind, VocabKind):
+            return ()  # collectives, not messages
         device = device_of[action.stage]
         payload = Payload.ACTIVATION if action.kind is Kind.F else Payload.GRADIENT
         return tuple(
@@ -90,6 +96,8 @@ def _message_rules(schedule: Schedule):
         )
 
     def outgoing(action: Action) -> tuple[Message, ...]:
+        if isinstance(action.kind, VocabKind):
+            return ()
         if action.kind is Kind.F and action.stage + 1 < num_stages:
             consumer, payload = action.stage + 1, Payload.ACTIVATION
         elif action.kind is Kind.B and action.stage > 0:
@@ -134,18 +142,44 @@ def check_plan(plans: tuple[DevicePlan, ...]) -> None:
     order equals its send order, and that blocking on receives in program order never deadlocks.
     """
     _check_matching(plans)
-    cursor = drive(
-        [plan.steps for plan in plans],
-        needs=lambda device, step: step.recvs,
-        run=lambda device, step: step.sends,
-    )
+    devices = range(len(plans))
+    programs = [with_arrivals(plan.steps) for plan in plans]
+
+    def needs(device, entry):
+        arrive, step = entry
+        if step.action.kind is VocabKind.H and not arrive:
+            return [("at", step.action.microbatch, other) for other in devices]
+        return () if arrive else step.recvs
+
+    def run(device, entry):
+        arrive, step = entry
+        return [("at", step.action.microbatch, device)] if arrive else step.sends
+
+    cursor = drive(programs, needs, run)
     waiting = [
-        f"device {dev} waits for {', '.join(str(m) for m in plan.steps[c].recvs)}"
-        for dev, (c, plan) in enumerate(zip(cursor, plans))
-        if c < len(plan.steps)
+        f"device {dev} waits for {_waits_for(programs[dev][c][1])}"
+        for dev, (c, program) in enumerate(zip(cursor, programs))
+        if c < len(program)
     ]
     if waiting:
         raise CommError("p2p plan deadlocks: " + "; ".join(waiting))
+
+
+def with_arrivals(steps) -> list[tuple[bool, Step]]:
+    """``(arrive, step)`` per step, a collective (H) step preceded by its arrival: a device that reaches
+    the rendezvous announces it, and runs the step once every device has (one in-order queue)."""
+    out = []
+    for step in steps:
+        if step.action.kind is VocabKind.H:
+            out.append((True, step))
+        out.append((False, step))
+    return out
+
+
+def _waits_for(step) -> str:
+    if step.action.kind is VocabKind.H:
+        return f"every device at the collective {step.action.kind}.{step.action.microbatch}"
+    return ", ".join(str(m) for m in step.recvs)
 
 
 def _check_matching(plans) -> None:

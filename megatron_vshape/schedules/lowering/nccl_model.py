@@ -18,6 +18,10 @@ on its own threads. This model runs the per-rank operation lists of the lowering
   a part completes only while both kernels are running (a send completes only when the peer's
   receive runs; a receive blocks its queue until matched). A kernel finishes when all its parts
   have. Compute kernels just run.
+* **Collectives.** A COMPUTE op that names a communicator (a vocabulary H: the whole pipeline
+  group's) runs collectives inside its step: it is one kernel on the compute queue that finishes only
+  once the n-th such kernel of EVERY member of that communicator is running (NCCL pairs the n-th
+  collective of each rank); the first one creates the communicator lazily, as a POST does.
 
 The host never waits for the GPU otherwise. :func:`run_nccl_model` raises :class:`NcclDeadlock`
 when the ranks stop with work left, and :class:`NcclMismatch` when NCCL would pair a receive with
@@ -95,13 +99,16 @@ class _Model:
         self.joining: dict[Communicator, set[int]] = defaultdict(set)
         self.parts: dict[tuple, dict[bool, list[_Part]]] = defaultdict(lambda: {True: [], False: []})
         self.work: deque[int] = deque(range(len(self.ranks)))
+        # communicator -> rank -> its collective kernels in issue order; a kernel's index among them
+        self.collectives: dict[Communicator, dict[int, list[_Kernel]]] = defaultdict(lambda: defaultdict(list))
+        self.collective_position: dict[int, int] = {}
 
     # --- host -------------------------------------------------------------------------------
 
     def issue(self, r: int) -> bool:
         rank, progressed = self.ranks[r], False
         while (op := rank.current()) is not None:
-            if op.kind is OpKind.POST and op.communicator not in self.created:
+            if op.communicator is not None and op.communicator not in self.created:
                 if not self.join(r, op.communicator):
                     break
             self.issue_op(r, op)
@@ -111,7 +118,7 @@ class _Model:
 
     def join(self, r: int, comm: Communicator) -> bool:
         """Lazy creation: block until every member of ``comm`` is creating it too."""
-        members = {comm.lo, comm.hi}
+        members = set(comm.members)
         if r not in members:
             raise CommError(f"rank {r} posts on communicator {comm} it is not a member of")
         self.ranks[r].creating = comm
@@ -127,7 +134,13 @@ class _Model:
 
     def issue_op(self, r: int, op: Op) -> None:
         rank = self.ranks[r]
-        if op.kind is OpKind.COMPUTE:
+        if op.kind is OpKind.COMPUTE and op.communicator is not None:
+            kernel = _Kernel(r, op, self.tail_deps(rank), unmatched=1)  # the rendezvous of every member
+            mine = self.collectives[op.communicator][r]
+            mine.append(kernel)
+            self.collective_position[id(kernel)] = len(mine) - 1
+            self.enqueue(r, COMPUTE_QUEUE, kernel)
+        elif op.kind is OpKind.COMPUTE:
             self.enqueue(r, COMPUTE_QUEUE, _Kernel(r, op, self.tail_deps(rank)))
         elif op.kind is OpKind.WAIT:
             self.enqueue(r, COMPUTE_QUEUE, _Kernel(r, op, self.tail_deps(rank) + (rank.posts.pop(op.index),)))
@@ -174,6 +187,14 @@ class _Model:
         return progressed
 
     def match(self, kernel: _Kernel) -> None:
+        if kernel.op.kind is OpKind.COMPUTE and kernel.op.communicator is not None:  # every member's n-th must be running
+            comm, n = kernel.op.communicator, self.collective_position[id(kernel)]
+            peers = [self.collectives[comm][member] for member in sorted(comm.members)]
+            if all(n < len(kernels) and kernels[n].running for kernels in peers):
+                for kernels in peers:
+                    kernels[n].unmatched = 0
+                    self.work.append(kernels[n].rank)
+            return
         for part in kernel.parts:
             others = self.parts[part.channel][not part.is_send]
             if part.position >= len(others):

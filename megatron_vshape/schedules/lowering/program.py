@@ -5,7 +5,8 @@ before it and adds one thing; :func:`lower_program` runs them in this order:
 
 1. ``messages`` (:attr:`Level.MESSAGES`): per device, each compute step with the p2p messages it
    receives before it runs and sends after it (``messages.lower``; hand-overs on one device are none).
-2. ``forward_only``: an evaluation call keeps the forwards and their activations only.
+2. ``forward_only``: an evaluation call keeps the forwards (and the vocabulary H passes, whose forward
+   part gives the loss) and their activations only.
 3. ``fused_backward_pairs`` (:attr:`Level.PAIRED`): which B leaves its weight gradients to its W pass
    and which runs B and W as one backward (:func:`deferred_backwards`).
 4. ``chunk_marks`` (:attr:`Level.MARKED`): the steps where a chunk's parameters must be gathered
@@ -27,10 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..core.actions import Action, Kind
+from ..core.actions import Action, Kind, VocabKind
 from ..core.schedule import Costs, Placement, Schedule
 from .exchange import Op, exchange_programs
 from .messages import DevicePlan, Message, Payload, Step, lower
+
+
+VOCAB_CHUNK = 0  # the local model chunk that holds a rank's vocabulary shard
 
 
 class Level(enum.IntEnum):
@@ -49,6 +53,7 @@ class ProgramStep(NamedTuple):
     recvs: tuple[Message, ...] = ()
     sends: tuple[Message, ...] = ()
     defers_w: bool = False  # a B whose weight gradients wait for its W pass (else B computes them)
+    # (a vocabulary H always leaves its weight gradient to its G)
     gathers_params_of: tuple[int, ...] = ()  # local chunks whose first F this is: gather parameters first
     reduces_grads_of: tuple[int, ...] = ()  # local chunks whose last backward pass (B or W) this is
 
@@ -134,14 +139,20 @@ def deferred_backwards(schedule: Schedule, plan: DevicePlan | RankProgram, split
 
 
 def chunk_marks(placement: Placement, ranks: Sequence[RankProgram]) -> tuple[RankProgram, ...]:
-    """Pass 4: per step, the local chunks whose first F and whose last backward pass it is."""
+    """Pass 4: per step, the local chunks whose first F and whose last backward pass it is.
+
+    A vocabulary shard's parameters belong to the rank's first chunk (``VOCAB_CHUNK``): its H counts as
+    that chunk's forward (the parameters must be there) and its G as a backward pass of it (the
+    gradient reduction waits for the last one).
+    """
     out = []
-    for rank in ranks:
+    for device, rank in enumerate(ranks):
         first_f: dict[int, int] = {}
         last_backward: dict[int, int] = {}
+        vocab_stage = placement.stages_per_device[device][VOCAB_CHUNK]
         for index, step in enumerate(rank.steps):
-            stage = step.action.stage
-            if step.action.kind is Kind.F:
+            stage = vocab_stage if isinstance(step.action.kind, VocabKind) else step.action.stage
+            if step.action.kind is Kind.F or step.action.kind is VocabKind.H:
                 first_f.setdefault(stage, index)
             else:
                 last_backward[stage] = index
@@ -195,7 +206,8 @@ def from_plans(plans: Sequence[DevicePlan]) -> tuple[RankProgram, ...]:
 
 
 def _forwards(rank: RankProgram) -> RankProgram:
-    steps = tuple(step for step in rank.steps if step.action.kind is Kind.F)
+    # An evaluation call's loss needs the vocabulary H's forward part too.
+    steps = tuple(step for step in rank.steps if step.action.kind is Kind.F or step.action.kind is VocabKind.H)
     recv_order = {peer: kept for peer, msgs in rank.recv_order.items()
                   if (kept := tuple(m for m in msgs if m.payload is Payload.ACTIVATION))}
     return RankProgram(steps, recv_order)

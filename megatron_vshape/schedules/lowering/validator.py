@@ -1,10 +1,11 @@
-"""Validation of a schedule: completeness, dependency order, deadlock-free p2p."""
+"""Validation of a schedule: completeness, dependency order, one order of the collective passes,
+deadlock-free p2p."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from ..core.actions import Kind
+from ..core.actions import Kind, VocabKind
 from ..core.dependencies import all_actions, dependencies
 from ..core.gc_pause import without_gc
 from ..core.schedule import Schedule, ScheduleError
@@ -20,6 +21,7 @@ def validate(schedule: Schedule) -> None:
     """Raise :class:`InvalidSchedule` (or a subclass of ScheduleError) if anything is wrong."""
     _check_complete(schedule)
     _check_local_order(schedule)
+    _check_collective_order(schedule)
     check_plan(lower(schedule))
 
 
@@ -28,7 +30,7 @@ def _check_complete(schedule: Schedule) -> None:
     duplicated = [str(a) for a, n in counts.items() if n > 1]
     if duplicated:
         raise InvalidSchedule(f"{schedule.name}: actions scheduled more than once: {duplicated[:5]}")
-    expected = all_actions(schedule.num_stages, schedule.num_microbatches)
+    expected = all_actions(schedule.num_stages, schedule.num_microbatches, schedule.vocab_shards)
     missing = expected - counts.keys()
     extra = counts.keys() - expected
     if missing or extra:
@@ -45,12 +47,24 @@ def _check_local_order(schedule: Schedule) -> None:
     for device, program in enumerate(schedule.programs):
         position = {a: i for i, a in enumerate(program)}
         for i, action in enumerate(program):
-            for dep in dependencies(action, schedule.num_stages):
+            for dep in dependencies(action, schedule.num_stages, schedule.vocab_shards):
                 j = position.get(dep)
                 if j is not None and j > i:
                     raise InvalidSchedule(
                         f"{schedule.name}: device {device} runs {action} before its dependency {dep}"
                     )
+
+
+def _check_collective_order(schedule: Schedule) -> None:
+    """Every device meets the collective (H) passes in one order: the pipeline group's collectives are
+    issued in that order on every rank, and NCCL pairs the n-th of one rank with the n-th of the others."""
+    orders = [[a.microbatch for a in program if a.kind is VocabKind.H] for program in schedule.programs]
+    for device, order in enumerate(orders[1:], start=1):
+        if order != orders[0]:
+            first = next((i for i, (a, b) in enumerate(zip(order, orders[0])) if a != b), min(len(order), len(orders[0])))
+            raise InvalidSchedule(
+                f"{schedule.name}: device {device} runs its vocabulary passes in another order than device 0 "
+                f"(at H number {first}); the collectives need one order on every device")
 
 
 # --- W-after-B order (Transformer Engine's deferred weight gradients) ------------------------------
