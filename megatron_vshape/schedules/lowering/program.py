@@ -33,7 +33,6 @@ from ..core.schedule import Costs, Placement, Schedule
 from .exchange import Op, exchange_programs
 from .messages import DevicePlan, Message, Payload, Step, lower
 
-
 VOCAB_CHUNK = 0  # the local model chunk that holds a rank's vocabulary shard
 
 
