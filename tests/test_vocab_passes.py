@@ -1,0 +1,191 @@
+"""Vocabulary passes in the schedules (vocabulary parallelism): placed for every schedule, timed with the
+rendezvous of their collectives, validated, lowered with their collectives, and checked under NCCL's rules."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_vshape.schedules.core.actions import Action, Kind, VocabKind, parse_action
+from megatron_vshape.schedules.core.inputs import InputError
+from megatron_vshape.schedules.core.schedule import Costs, Schedule, ScheduleError, VocabWork
+from megatron_vshape.schedules.core.simulator import DeadlockError, simulate
+from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
+from megatron_vshape.schedules.lowering.exchange import PIPELINE_GROUP, Communicator, OpKind
+from megatron_vshape.schedules.lowering.messages import CommError, check_plan, lower
+from megatron_vshape.schedules.lowering.nccl_model import NcclDeadlock, check_program, run_nccl_model
+from megatron_vshape.schedules.lowering.program import lower_program
+from megatron_vshape.schedules.lowering.validator import InvalidSchedule, validate
+
+HEAD = VocabWork(f=0.92, b=0.92, w=0.92, memory=0.5)
+UNEQUAL = Costs(f=1.0, b=1.3, w=0.8, comm=0.05)
+SIZES = [(1, 2), (2, 4), (3, 6), (4, 8), (4, 4)]
+
+
+def _cells():
+    for name in SCHEDULES:
+        for d, m in SIZES:
+            if SCHEDULES[name].check(d, m) is None:
+                yield name, d, m
+
+
+def test_actions_text_round_trips_with_vocabulary_passes():
+    assert parse_action("H2.5") == Action(VocabKind.H, 2, 5)
+    assert str(Action(VocabKind.G, 0, 3)) == "G0.3"
+    schedule = get_schedule("v-half", 1, 1, Costs(vocab=HEAD))
+    assert schedule.to_text() == "F0.0 F1.0 H0.0 G0.0 B1.0 W1.0 B0.0 W0.0"
+    again = Schedule.from_text(schedule.to_text(), "x", schedule.placement)
+    assert again.vocab_parallel and again.programs == schedule.programs
+
+
+@pytest.mark.parametrize("name, d, m", list(_cells()))
+def test_every_schedule_gets_one_h_and_g_per_device_and_microbatch_and_validates(name, d, m):
+    for base in (Costs(), UNEQUAL):
+        costs = replace(base, vocab=HEAD)
+        schedule = get_schedule(name, d, m, costs)
+        assert schedule.vocab_parallel
+        validate(schedule)
+        for device, program in enumerate(schedule.programs):
+            hs = [a.microbatch for a in program if a.kind is VocabKind.H]
+            gs = sorted(a.microbatch for a in program if a.kind is VocabKind.G)
+            assert sorted(hs) == gs == list(range(m))
+            assert all(a.stage == device for a in program if isinstance(a.kind, VocabKind))
+        transformer = get_schedule(name, d, m, base)
+        stripped = tuple(tuple(a for a in p if not isinstance(a.kind, VocabKind)) for p in schedule.programs)
+        assert stripped == transformer.programs  # the generator's order is kept; only H and G are added
+        train, evaluate = lower_program(schedule, costs), lower_program(schedule, costs, forward_only_call=True)
+        check_program(train, evaluate)  # both queue settings, under NCCL's rules
+
+
+@pytest.mark.parametrize("name, d, m", [c for c in _cells() if c[1] > 1])
+def test_on_uniform_stages_the_head_costs_its_even_share_only(name, d, m):
+    """With F, B and W alike the pass boundaries line up and each H column costs its own time: the
+    makespan is the transformer schedule's plus every device's share of the head's work."""
+    costs = Costs(vocab=HEAD)
+    plain = simulate(get_schedule(name, d, m))
+    result = simulate(get_schedule(name, d, m, costs), costs)
+    share = m * (HEAD.f + HEAD.b + HEAD.w) / d
+    assert result.makespan == pytest.approx(plain.makespan + share)
+    assert max(result.work_each) == pytest.approx(min(result.work_each))  # the head's work is spread evenly
+
+
+def test_the_issue_table_v_zb_keeps_its_zero_bubble_with_the_head_spread():
+    """Llama-3 8B's head (0.92 of a V chunk's passes) at PP 8, 32 microbatches."""
+    stages = (1.0,) * 15 + (1.92,)
+    from megatron_vshape.schedules.core.schedule import StageWork
+
+    head_on_stage = Costs().with_stages([StageWork(t, t, t) for t in stages])
+    on_stage = simulate(get_schedule("v-zb", 8, 32, head_on_stage), head_on_stage)
+    spread = simulate(get_schedule("v-zb", 8, 32, Costs(vocab=HEAD)), Costs(vocab=HEAD))
+    uniform = simulate(get_schedule("v-zb", 8, 32))
+    assert uniform.bubble_rate == 0.0 and spread.bubble_rate == pytest.approx(0.0, abs=1e-9)
+    assert on_stage.bubble_rate > 0.2
+    assert spread.makespan < on_stage.makespan
+
+
+def test_every_h_of_a_microbatch_starts_at_once():
+    costs = replace(UNEQUAL, vocab=HEAD)
+    schedule = get_schedule("v-zb", 4, 8, costs)
+    timeline = simulate(schedule, costs).timeline
+    for k in range(8):
+        starts = {round(timeline[Action(VocabKind.H, r, k)].start, 9) for r in range(4)}
+        assert len(starts) == 1
+        last_f = timeline[Action(Kind.F, schedule.num_stages - 1, k)]
+        assert starts.pop() >= last_f.end - 1e-9
+        assert timeline[Action(Kind.B, schedule.num_stages - 1, k)].start >= timeline[Action(VocabKind.H, 0, k)].end - 1e-9
+
+
+def test_memory_counts_what_h_holds_until_g():
+    costs = Costs(vocab=HEAD)
+    plain = simulate(get_schedule("v-half", 2, 4))
+    result = simulate(get_schedule("v-half", 2, 4, costs), costs)
+    held = HEAD.memory / 2 / 2  # per shard, in units of one microbatch over L/d layers (a V chunk F is 1/2)
+    assert max(result.peak_memory) == pytest.approx(max(plain.peak_memory) + held)
+
+
+def _swap_h(schedule: Schedule, device: int, a: int, b: int) -> Schedule:
+    """Device ``device`` runs the vocabulary passes of microbatches ``a`` and ``b`` in each other's places."""
+    swap = {a: b, b: a}
+    program = tuple(Action(x.kind, x.stage, swap.get(x.microbatch, x.microbatch)) if isinstance(x.kind, VocabKind) else x
+                    for x in schedule.programs[device])
+    programs = list(schedule.programs)
+    programs[device] = program
+    return replace(schedule, programs=tuple(programs))
+
+
+def test_collectives_in_another_order_on_one_device_are_refused_and_hang_under_nccl():
+    costs = Costs(vocab=HEAD)
+    schedule = get_schedule("1f1b", 2, 4, costs)
+    broken = _swap_h(schedule, 0, 1, 2)  # device 0 does not hold the last stage: only the order breaks
+    with pytest.raises(InvalidSchedule, match="another order"):
+        validate(broken)
+    with pytest.raises((CommError, DeadlockError)):
+        check_plan(lower(broken))
+    # The exchange of the good schedule, with one rank's two collectives swapped, hangs under NCCL's rules.
+    train = lower_program(schedule, costs)
+    ops = [list(rank.exchange) for rank in train.ranks]
+    collective = [i for i, op in enumerate(ops[1]) if op.kind is OpKind.COMPUTE and op.communicator is not None]
+    i, j = collective[1], collective[2]
+    ops[1][i], ops[1][j] = ops[1][j], ops[1][i]
+    ops[1][i] = ops[1][i]._replace(communicator=None)  # rank 1 skips one collective: the others wait forever
+    with pytest.raises(NcclDeadlock):
+        run_nccl_model([[tuple(o)] for o in ops], single_queue=True)
+
+
+def test_an_h_before_what_the_last_stage_needs_first_deadlocks_everywhere():
+    """Device 1 joins H(0) before its own F of microbatch 0, which the last stage needs for its F(0)."""
+    costs = Costs(vocab=HEAD)
+    schedule = get_schedule("1f1b", 2, 2, costs)
+    program = [a for a in schedule.programs[0] if a != Action(VocabKind.H, 0, 0)]
+    program.insert(0, Action(VocabKind.H, 0, 0))  # device 0 holds stage 0: the last stage (1) waits for its F
+    bad = replace(schedule, programs=(tuple(program), schedule.programs[1]))
+    with pytest.raises(DeadlockError):
+        simulate(bad, costs)
+    with pytest.raises(CommError, match="collective"):
+        check_plan(lower(bad))
+    with pytest.raises(ScheduleError, match="collective"):
+        validate(bad)
+
+
+def test_lowering_puts_h_on_the_pipeline_communicator_and_keeps_it_for_evaluation():
+    costs = replace(UNEQUAL, vocab=HEAD)
+    schedule = get_schedule("v-zb", 3, 6, costs)
+    train = lower_program(schedule, costs)
+    evaluate = lower_program(schedule, costs, forward_only_call=True)
+    whole = Communicator(PIPELINE_GROUP, 0, 2)
+    for rank, (t, e) in enumerate(zip(train.ranks, evaluate.ranks)):
+        steps = {i: s.action for i, s in enumerate(t.steps)}
+        collective = [steps[op.index] for op in t.exchange if op.kind is OpKind.COMPUTE and op.communicator == whole]
+        assert collective == [s.action for s in t.steps if s.action.kind is VocabKind.H]
+        assert not any(s.sends or s.recvs for s in t.steps if isinstance(s.action.kind, VocabKind))
+        assert {s.action.kind for s in e.steps} == {Kind.F, VocabKind.H}
+        # the shard's parameters are the first chunk's: its gradient reduction waits for the last G
+        last_g = max(i for i, s in enumerate(t.steps) if s.action.kind is VocabKind.G)
+        marked = max(i for i, s in enumerate(t.steps) if 0 in s.reduces_grads_of)
+        assert marked >= last_g
+        first_h = min(i for i, s in enumerate(t.steps) if s.action.kind is VocabKind.H)
+        gathered = min(i for i, s in enumerate(t.steps) if 0 in s.gathers_params_of)
+        assert gathered <= first_h
+
+
+def test_zero_bubble_schedules_put_g_into_idle_gaps_and_memory_schedules_right_after_h():
+    costs = replace(UNEQUAL, vocab=HEAD)
+    for name, after in (("v-half", True), ("v-min", True), ("1f1b", True), ("v-zb", False)):
+        schedule = get_schedule(name, 4, 8, costs)
+        right_after = all(
+            program[i + 1] == Action(VocabKind.G, a.stage, a.microbatch)
+            for program in schedule.programs for i, a in enumerate(program) if a.kind is VocabKind.H)
+        assert right_after is after, name
+
+
+def test_vocabulary_costs_parse_and_refuse_in_one_line():
+    assert VocabWork.parse("time=0.92") == VocabWork(0.92, 0.92, 0.92, 0.0)
+    assert VocabWork.parse("f=1,b=2,w=3,memory=0.5") == VocabWork(1, 2, 3, 0.5)
+    for bad in ("time=0.9,f=1", "x=1", "f=-1", "f=nan"):
+        with pytest.raises(InputError, match="--vocab-parallel"):
+            VocabWork.parse(bad)
+    with pytest.raises(ScheduleError, match="no vocabulary passes"):
+        simulate(get_schedule("v-half", 2, 4), Costs(vocab=HEAD))
+    with pytest.raises(ScheduleError, match="vocabulary passes"):
+        simulate(get_schedule("v-half", 2, 4, Costs(vocab=HEAD)), Costs())
