@@ -154,7 +154,7 @@ def test_lowering_puts_h_on_the_pipeline_communicator_and_keeps_it_for_evaluatio
     train = lower_program(schedule, costs)
     evaluate = lower_program(schedule, costs, forward_only_call=True)
     whole = Communicator(PIPELINE_GROUP, 0, 2)
-    for rank, (t, e) in enumerate(zip(train.ranks, evaluate.ranks)):
+    for t, e in zip(train.ranks, evaluate.ranks):
         steps = {i: s.action for i, s in enumerate(t.steps)}
         collective = [steps[op.index] for op in t.exchange if op.kind is OpKind.COMPUTE and op.communicator == whole]
         assert collective == [s.action for s in t.steps if s.action.kind is VocabKind.H]
