@@ -21,6 +21,7 @@ Flags added by :func:`add_arguments`:
 ``--pipeline-layout uniform|balanced|N0,N1,...``  transformer layers per pipeline stage (see :mod:`.layout`).
 ``--pipeline-watchdog SECONDS``  report where a stuck pipeline is, on every rank, and end the job
                                (default 300 on GPU, 120 with --cpu; 0 turns it off).
+``--pipeline-vocab-parallel``  the vocabulary layers sharded over the pipeline ranks, as passes of the schedule.
 """
 
 from __future__ import annotations
@@ -126,6 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "'uniform' (default): the same on every stage, as today. 'balanced': the counts with the shortest "
         "predicted iteration, counting the embedding, LM head and loss (needs --vocab-size). The first and "
         "last stage may hold 0 layers. Passed to Megatron as its --pipeline-model-parallel-layout.",
+    )
+    group.add_argument(
+        "--pipeline-vocab-parallel", action="store_true", default=False,
+        help="Vocabulary parallelism (Yeung et al., MLSys 2025): the input embedding, the output layer and the "
+        "cross-entropy are sharded by vocabulary rows over the pipeline ranks (on top of TP) and run as passes "
+        "of the schedule on every rank, so neither the first nor the last stage carries them. Every schedule "
+        "megatron-vshape runs; with it, 1f1b and interleaved-1f1b run on megatron-vshape's executor too. "
+        "Checkpoints keep Megatron's layout (resume with or without the flag).",
     )
     # Mark Megatron's defaults of the flags --cpu changes as "not given": they still *are* Megatron's
     # values (equal strings / ints), so nothing changes for code that never calls validate(), but

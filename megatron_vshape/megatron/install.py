@@ -153,8 +153,9 @@ def _repair_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _build_inner(args, name: str):
-    if name in MEGATRON_OWN_SCHEDULES:
+    if name in MEGATRON_OWN_SCHEDULES and not getattr(args, "pipeline_vocab_parallel", False):
         return None  # resolved per call: Megatron's own function for the current groups
+    # (with --pipeline-vocab-parallel Megatron's functions cannot run the vocabulary passes: ours runs them)
     from megatron_vshape.runtime import build_forward_backward_func
     from megatron_vshape.runtime.replan import ReplanPolicy
 

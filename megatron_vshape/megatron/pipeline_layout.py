@@ -124,14 +124,34 @@ def planner_model(args):
 
 
 def stage_works(args, layers):
-    """Per-stage work multipliers of ``layers`` from the planner's FLOPs model (LM head included),
-    or None when the planner cannot describe the model (the caller then scales by layer count)."""
+    """Per-stage work multipliers of ``layers`` from the planner's FLOPs model (LM head included, unless
+    --pipeline-vocab-parallel spreads it over every rank: then the layers' alone), or None when the
+    planner cannot describe the model (the caller then scales by layer count)."""
     try:
         model = planner_model(args)
-        from ..planner.balance import stage_work
+        from ..planner.balance import StageExtras, stage_work
     except (ImportError, ValueError):
         return None
+    if getattr(args, "pipeline_vocab_parallel", False):
+        return stage_work(model, layers, extras=StageExtras())
     return stage_work(model, layers)
+
+
+def vocab_work(args):
+    """The vocabulary passes' work under --pipeline-vocab-parallel, from the planner's FLOPs model: the LM
+    head's F, B, W over the whole vocabulary per V chunk's layers, and the logits a microbatch holds from
+    its H to its G per V chunk's activation. Default costs (time 1) when the model is not known."""
+    from ..schedules.core.schedule import VocabWork
+
+    try:
+        model = planner_model(args)
+        from ..planner.balance import StageExtras
+    except (ImportError, ValueError):
+        return VocabWork(1.0, 1.0, 1.0, 0.0)
+    chunk_layers = model.layers / (2 * max(1, int(getattr(args, "pipeline_model_parallel_size", 1) or 1)))
+    head = StageExtras.from_flops(model).head
+    memory = model.logits_bytes(1, 1) / (chunk_layers * model.activation_bytes(1, 1, False))
+    return VocabWork(*(x / chunk_layers for x in head), memory=memory)
 
 
 def apply(args) -> None:

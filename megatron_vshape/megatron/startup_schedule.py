@@ -12,6 +12,7 @@ takes seconds, so it is built once here and both checks read it.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from . import pipeline_layout
 from .flags import AUTO_SCHEDULE, parse_pipeline_costs, schedule_of
@@ -25,7 +26,10 @@ def costs_for_run(args):
 
     spec = getattr(args, "pipeline_costs", None)
     base = parse_pipeline_costs(spec) if spec and spec.strip().lower() != "auto" else Costs()
-    return pipeline_layout.schedule_costs(args, base)
+    costs = pipeline_layout.schedule_costs(args, base)
+    if getattr(args, "pipeline_vocab_parallel", False):
+        costs = replace(costs, vocab=pipeline_layout.vocab_work(args))
+    return costs
 
 
 def memory_limit_for_run(args) -> float | None:

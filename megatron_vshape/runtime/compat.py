@@ -33,6 +33,13 @@ def forward_step(**kwargs):
     return mschedules.forward_step(**kwargs)
 
 
+def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
+                           num_microbatches, forward_data_store, cp_group_size):
+    """megatron's loss step of a last stage (the same parameters in 0.16, 0.19 and main), on a last stage."""
+    return mschedules.forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
+                                             num_microbatches, forward_data_store, cp_group_size, True)
+
+
 def call_finalize(func, model, num_tokens, pg_collection, force_all_reduce) -> None:
     """Call ``config.finalize_model_grads_func`` exactly as Megatron's own schedules do (0.16 and 0.19)."""
     func(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_vshape.schedules.core.actions import Action, Kind
+from megatron_vshape.schedules.core.actions import Action, Kind, VocabKind
 from megatron_vshape.schedules.core.schedule import PlacementKind
 from megatron_vshape.schedules.lowering.messages import Message, Payload
 from megatron_vshape.schedules.lowering.program import Program, ProgramStep
@@ -28,6 +28,7 @@ from .p2p import PairGroups, PlanExchange, local_device
 from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
 from .replan import PassClock
 from .timeline import Category, Timeline
+from .vocab_iteration import VocabPasses, vocab_layers_of
 from .watchdog import Progress, ScheduleWatchdog
 from .wgrad_adapter import WeightGradAdapter
 
@@ -130,6 +131,7 @@ class Iteration:
         self.collect_non_loss_data = call.collect_non_loss_data
         self.first_val_step = call.first_val_step
         self.force_all_reduce = call.force_all_reduce
+        self.vocab = self._vocab_passes(call)
         self.chunks = self._make_chunks(models, call.data_iterator)
         self.plan = setup.program.ranks[self.rank]  # this rank's steps and p2p program (the lowering chain's)
         self.deferred = self.plan.deferred()
@@ -138,8 +140,11 @@ class Iteration:
         # --overlap-grad-reduce with deferred W: buckets launch at their params' last W (grad_sync.py).
         # Tied copies on one rank (V) are summed after the loop, so their reductions all wait for it.
         self.tied_local = self.placement.kind is PlacementKind.V and tied_embedding_pair(models) is not None
+        # Gradients summed (tied copies on one rank) or added (the vocabulary shard's embedding rows, in the
+        # epilogue) after the pass loop: every chunk's reduction waits for the end of the loop.
+        self.reduce_after_loop = self.tied_local or self.vocab is not None
         self.launcher = BucketLauncher(models, self.plan, self.placement.chunk_of, split=bool(self.deferred),
-                                       launch_early=not self.tied_local)
+                                       launch_early=not self.reduce_after_loop)
         shape = [call.seq_length // self.cp_size, call.micro_batch_size, self.config.hidden_size]
         if self.config.sequence_parallel:
             shape[0] //= setup.groups.tp_size
@@ -161,10 +166,25 @@ class Iteration:
             iterators = [data_iterator] * len(models)
         else:
             raise ValueError("data_iterator: pass one iterator per model chunk (a list), as for megatron's virtual pipeline")
+        # With vocabulary passes the last stage's output goes to the H pass like any stage's output to the
+        # next: megatron's forward_step applies no loss there and its backward starts from a gradient.
         return [
-            Chunk(model, iterator, spec.stage, spec.chunk, spec.vp_stage, spec.post_process)
+            Chunk(model, iterator, spec.stage, spec.chunk, spec.vp_stage, spec.post_process and self.vocab is None)
             for model, iterator, spec in zip(models, iterators, chunk_specs(self.placement, self.rank))
         ]
+
+    def _vocab_passes(self, call: CallArgs) -> VocabPasses | None:
+        layers = vocab_layers_of(self.models)
+        if self.schedule.vocab_parallel != (layers is not None):
+            have = "vocabulary shard layers" if layers is not None else "no vocabulary shard layers"
+            raise ValueError(f"schedule {self.setup.schedule_name} {'has' if self.schedule.vocab_parallel else 'has no'} "
+                             f"vocabulary passes but the model has {have}: build both with --pipeline-vocab-parallel "
+                             "or both without")
+        if layers is None:
+            return None
+        return VocabPasses(layers, self.placement, self.rank, call.num_microbatches, call.micro_batch_size,
+                           call.seq_length // self.cp_size, self.config.pipeline_dtype or self.config.params_dtype,
+                           call.forward_only)
 
     def chunk_of(self, stage: int) -> Chunk:
         return self.chunks[self.placement.chunk_of(stage)]
@@ -193,6 +213,12 @@ class Iteration:
         store = self.wgrad.store
         with _GradSyncControl(self.config, self.models, enabled=not self.forward_only,
                               launcher=self.launcher) as grad_sync:
+            if self.vocab is not None:
+                progress.at("the vocabulary prologue (tokens to every rank, embeddings to the first stage)")
+                first = self.chunk_of(0) if self.rank == self.placement.device_of(0) else None
+                iterator = self.vocab.prologue(first.data_iterator if first is not None else None)
+                if first is not None:
+                    first.data_iterator = iterator
             for index, step in enumerate(self.plan.steps):
                 progress.at("the p2p exchange before a pass", index, str(step.action))
                 for chunk_index in step.gathers_params_of:
@@ -215,7 +241,7 @@ class Iteration:
                 self.launcher.after_pass(index, step.action.stage, step.action.kind, store)
                 # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
                 # their reductions wait until the whole iteration's backward is done.
-                for chunk_index in () if self.tied_local else step.reduces_grads_of:
+                for chunk_index in () if self.reduce_after_loop else step.reduces_grads_of:
                     grad_sync.start(chunk_index)
             progress.at("the p2p exchange after the last pass")
             exchange.finish()
@@ -226,6 +252,9 @@ class Iteration:
                 torch.cuda.current_stream().synchronize()
             if self.tied_local and not self.forward_only:
                 sum_tied_embedding_grads(self.models)
+            if self.vocab is not None:
+                progress.at("the vocabulary epilogue (the embeddings' gradients to every rank)")
+                self.vocab.epilogue()
             for chunk_index in range(len(self.models)):
                 grad_sync.start(chunk_index)  # no-op for chunks already started
         self._check_drained()
@@ -239,7 +268,10 @@ class Iteration:
         return [item for mb in sorted(self.data_store) for item in self.data_store[mb]], pass_times
 
     def _tells_cost(self, action: Action) -> bool:
-        """F always; B and W only when the W was deferred (else B ran the whole backward, W nothing)."""
+        """F always; B and W only when the W was deferred (else B ran the whole backward, W nothing);
+        vocabulary passes never (the clock measures the layers' passes)."""
+        if isinstance(action.kind, VocabKind):
+            return False
         if action.kind is Kind.F:
             return True
         return Action(Kind.B, action.stage, action.microbatch) in self.deferred
@@ -264,6 +296,12 @@ class Iteration:
     def _run(self, action: Action, exchange: PlanExchange, step: ProgramStep) -> None:
         # User code (get_batch, loss_func) asks mpu.is_pipeline_first/last_stage() during a pass:
         # the glue answers for the stage named here (see runtime.active_stage).
+        if action.kind is VocabKind.H:
+            self._vocab_h(action.microbatch)
+            return
+        if action.kind is VocabKind.G:
+            self.vocab.run_g(action.microbatch)
+            return
         with running_stage(action.stage, self.placement.num_stages):
             if action.kind is Kind.F:
                 self._forward(action, exchange, step)
@@ -276,8 +314,14 @@ class Iteration:
         chunk, mb = self.chunk_of(action.stage), action.microbatch
         input_tensor = chunk.inputs.get(mb) if action.stage > 0 else None
         store: list = []
+        forward_step_func = self.forward_step_func
+        last = action.stage == self.placement.num_stages - 1
+        if self.vocab is not None and action.stage == 0:
+            self.vocab.hand_embedding(mb)
+        if self.vocab is not None and last:
+            forward_step_func = self.vocab.wrap_last_forward(forward_step_func, mb)
         output, num_tokens = compat.forward_step(
-            forward_step_func=self.forward_step_func, data_iterator=chunk.data_iterator,
+            forward_step_func=forward_step_func, data_iterator=chunk.data_iterator,
             model=chunk.model, num_microbatches=self.num_microbatches, input_tensor=input_tensor,
             forward_data_store=store, config=self.config, cp_group_size=self.cp_size,
             collect_non_loss_data=self.collect_non_loss_data,
@@ -287,6 +331,12 @@ class Iteration:
         if store:
             self.data_store.setdefault(mb, []).extend(store)
         self.total_num_tokens += num_tokens
+        if self.vocab is not None and last:
+            self.vocab.record_labels(mb)
+            chunk.outputs[mb] = output  # its H reads it (and deallocates it when training)
+            if self.forward_only:
+                chunk.inputs.pop(mb, None)
+            return
         if not chunk.is_last_stage:
             self._deliver(action, output, Payload.ACTIVATION, exchange, step)
         if self.forward_only:
@@ -307,6 +357,44 @@ class Iteration:
             input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if action.stage > 0:
             self._deliver(action, input_grad, Payload.GRADIENT, exchange, step)
+        elif self.vocab is not None:
+            self.vocab.take_embedding_grad(mb)
+
+    def _vocab_h(self, mb: int) -> None:
+        """H(k): on the last stage's rank its output goes in and the gradient for its B comes out."""
+        holder = self.rank == self.placement.device_of(self.placement.num_stages - 1)
+        chunk = self.chunk_of(self.placement.num_stages - 1) if holder else None
+        hidden = chunk.outputs[mb] if holder else None
+        grad = self.vocab.run_h(mb, hidden, self._vocab_loss(chunk, mb) if holder else None)
+        if not holder:
+            return
+        if self.forward_only:
+            chunk.outputs.pop(mb)
+            return
+        chunk.output_grads[mb] = grad
+        _deallocate(hidden, self.config)
+
+    def _vocab_loss(self, chunk: Chunk, mb: int):
+        """The script's loss function on the H pass's per-token loss, as megatron's forward_step applies it
+        on a last stage (scaling, token count, reported values); training: d(objective)/d(per-token loss)."""
+
+        def loss(per_token_loss: torch.Tensor, loss_func):
+            leaf = per_token_loss.detach().requires_grad_(not self.forward_only)
+            if self.config.timers is not None:  # forward_step_calc_loss stops the timer forward_step starts
+                self.config.timers("forward-compute", log_level=2).start()
+            store: list = []
+            with running_stage(chunk.stage, self.placement.num_stages):
+                output, num_tokens = compat.forward_step_calc_loss(
+                    chunk.model, leaf, loss_func, self.config, chunk.vp_stage, self.collect_non_loss_data,
+                    self.num_microbatches, store, self.cp_size)
+            if store:
+                self.data_store.setdefault(mb, []).extend(store)
+            self.total_num_tokens += num_tokens
+            if self.forward_only:
+                return None
+            return compat.backward_step(leaf, output, None, self.model_type, self.config)
+
+        return loss
 
     def _backward_weight(self, action: Action) -> None:
         if Action(Kind.B, action.stage, action.microbatch) in self.deferred:
@@ -334,6 +422,8 @@ class Iteration:
         pending = self.wgrad.pending()
         if left or pending:
             raise RuntimeError(f"schedule left work undone: outputs {left}, weight-grad keys {pending}")
+        if self.vocab is not None:
+            self.vocab.check_drained()
 
     # --- gradients ----------------------------------------------------------------------------
 

@@ -40,6 +40,8 @@ class Category(enum.Enum):
     F = "F"
     B = "B"
     W = "W"
+    H = "H"  # a vocabulary-parallel output pass (with its collectives)
+    G = "G"  # a vocabulary shard's weight gradient
     WAIT_RECV = "wait-recv"
     WAIT_SEND = "wait-send"
     GRAD_SYNC = "grad-sync"
@@ -48,7 +50,7 @@ class Category(enum.Enum):
     __hash__ = object.__hash__
 
 
-COMPUTE = (Category.F, Category.B, Category.W)
+COMPUTE = (Category.F, Category.B, Category.W, Category.H, Category.G)
 WAITS = (Category.WAIT_RECV, Category.WAIT_SEND)
 
 

@@ -39,6 +39,9 @@ class RunSpec:
     # uses the one with as many entries as it has stages (2*pp on a V, pp for one chunk per rank)
     # and runs the uniform split when none matches.
     layouts: tuple[tuple[int, ...], ...] = ()
+    # --pipeline-vocab-parallel: the vocabulary layers sharded over the pipeline ranks, run as the
+    # schedule's H and G passes (runtime/vocab_model.py, runtime/vocab_iteration.py)
+    vocab_parallel: bool = False
 
     def layout_for(self, num_stages: int) -> tuple[int, ...] | None:
         """The layer counts a schedule with ``num_stages`` stages runs with (None: uniform)."""
@@ -120,11 +123,17 @@ def global_param_names(chunk) -> dict[str, str]:
             parts[2] = str(layers[int(parts[2])].layer_number - 1)
         elif parts[0] == "output_layer" and getattr(chunk, "share_embeddings_and_output_weights", False):
             parts = ["embedding", "word_embeddings", "weight"]  # the tied copy
+        elif parts[0] == "vocab_parallel":  # this rank's rows of the vocabulary layers (see _shard)
+            parts = ["embedding", "word_embeddings", "weight"] if parts[1] == "embedding_weight" else ["output_layer",
+                                                                                                       "weight"]
         names[name] = ".".join(parts)
     return names
 
 
 def _shard(full, param, tp_rank: int, tp_size: int):
+    rows = getattr(param, "vocab_rows", None)  # a vocabulary shard: its rows of the padded vocabulary
+    if rows is not None:
+        return full[rows[0]:rows[1]]
     if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
         return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
     return full
@@ -189,13 +198,15 @@ def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refere
 
     from megatron_vshape.megatron.pipeline_layout import layout_costs
     from megatron_vshape.runtime import ActivationMeter, build_forward_backward_func
-    from megatron_vshape.schedules.core.schedule import Costs
+    from megatron_vshape.schedules.core.schedule import Costs, VocabWork
     from megatron_vshape.schedules.core.simulator import simulate
     from megatron_vshape.schedules.generators.registry import SCHEDULES
 
     limit = spec.memory_limit if getattr(SCHEDULES[name], "takes_memory_limit", False) else None
     counts = spec.layout_for(SCHEDULES[name].num_stages(spec.pp))
     costs = Costs() if counts is None else layout_costs(Costs(), counts)
+    if spec.vocab_parallel:
+        costs = replace(costs, vocab=VocabWork.parse("time=1"))
     extra = {} if spec.executor_type is None else {"executor_type": spec.executor_type}
     fb = build_forward_backward_func(name, costs=costs, memory_limit=limit, **extra)
     schedule = fb.schedule(spec.pp, spec.microbatches)
@@ -289,6 +300,10 @@ def _build_pipeline_model(schedule, spec: RunSpec, model_settings: ModelSettings
     if one_device_chunks:
         _number_one_device_layers(chunks, placement.stages_per_device[0], chunk_settings.num_layers)
     chunks = [chunk.to(_device(), torch_dtype(model_settings.dtype)) for chunk in chunks]
+    if spec.vocab_parallel:
+        from megatron_vshape.runtime.vocab_model import install_vocab_parallel
+
+        install_vocab_parallel(chunks, placement)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for chunk in chunks:
