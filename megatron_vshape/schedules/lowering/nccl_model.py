@@ -34,8 +34,9 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..core.actions import VocabKind
 from ..core.schedule import Costs
-from .exchange import Communicator, Op, OpKind, Transfer, warmup_program
+from .exchange import PIPELINE_GROUP, Communicator, Op, OpKind, Transfer, warmup_program
 from .messages import CommError, DevicePlan
 from .program import Program, exchange, forward_only, from_plans
 
@@ -247,6 +248,15 @@ def check_program(train: Program, evaluate: Program, single_queue: Sequence[bool
     _check_calls(train.ranks, evaluate.ranks, single_queue)
 
 
+def vocab_call_segment(num_ranks: int) -> tuple[Op, ...]:
+    """The collectives the runtime issues around one call's exchange program with vocabulary passes, as one
+    collective step on the pipeline group's communicator: the prologue's (tokens to every rank, the
+    embeddings to the first stage; runtime/vocab_iteration.py) before the program, and in a training call
+    the epilogue's (the embeddings' gradients) after it. A segment of its own (a WAIT names a POST by its
+    position within a segment)."""
+    return (Op(OpKind.COMPUTE, Communicator(PIPELINE_GROUP, 0, num_ranks - 1), index=-1),)
+
+
 def check_exchange(plans: Sequence[DevicePlan], single_queue: Sequence[bool] = (True, False),
                    costs: Costs = Costs()) -> None:
     """:func:`check_program` from messages-level ``plans``: the chain's forward-only and exchange passes
@@ -256,6 +266,10 @@ def check_exchange(plans: Sequence[DevicePlan], single_queue: Sequence[bool] = (
 
 
 def _check_calls(train, evaluate, single_queue: Sequence[bool]) -> None:
-    programs = [(warmup_program(r, len(train)), t.exchange, e.exchange) for r, (t, e) in enumerate(zip(train, evaluate))]
+    d = len(train)
+    vocab = any(step.action.kind is VocabKind.H for rank in train for step in rank.steps)
+    calls = vocab_call_segment(d) if vocab else ()
+    programs = [(warmup_program(r, d), calls, t.exchange, calls, calls, e.exchange)
+                for r, (t, e) in enumerate(zip(train, evaluate))]
     for setting in single_queue:
         run_nccl_model(programs, setting)
