@@ -127,12 +127,18 @@ def output_backward(state: OutputState, weight: torch.Tensor, grad_loss: torch.T
     return grad_hidden, weight_grad
 
 
+def embedding_partial(tokens: torch.Tensor, weight: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """This rank's rows of the embedding lookup, zero for tokens it does not hold (``[..., hidden]`` for
+    ``tokens`` of any shape); no collective: the sum over the vocabulary's ranks is the lookup."""
+    held = (tokens >= shard.start) & (tokens < shard.end)
+    local = torch.where(held, tokens - shard.start, torch.zeros_like(tokens))
+    return weight[local] * held.unsqueeze(-1).to(weight.dtype)
+
+
 def embedding_forward(tokens: torch.Tensor, weight: torch.Tensor, shard: VocabShard, groups: Sequence) -> torch.Tensor:
     """This rank's rows of the embedding lookup, zero for tokens it does not hold, summed over ``groups``
     (every rank gets the sum; the first stage uses it)."""
-    held = (tokens >= shard.start) & (tokens < shard.end)
-    local = torch.where(held, tokens - shard.start, torch.zeros_like(tokens))
-    out = weight[local] * held.unsqueeze(-1).to(weight.dtype)
+    out = embedding_partial(tokens, weight, shard)
     for group in groups:
         dist.all_reduce(out, group=group)
     return out
