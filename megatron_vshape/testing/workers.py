@@ -301,9 +301,11 @@ def _build_pipeline_model(schedule, spec: RunSpec, model_settings: ModelSettings
         _number_one_device_layers(chunks, placement.stages_per_device[0], chunk_settings.num_layers)
     chunks = [chunk.to(_device(), torch_dtype(model_settings.dtype)) for chunk in chunks]
     if spec.vocab_parallel:
-        from megatron_vshape.runtime.vocab_model import install_vocab_parallel
+        from megatron_vshape.megatron.vocab_layers import install_vocab_parallel
 
-        install_vocab_parallel(chunks, placement)
+        layers = install_vocab_parallel(chunks, placement)
+        for param in layers.parameters():  # which rows of the reference's weights and gradients it holds
+            param.vocab_rows = (layers.shard.start, layers.shard.end)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for chunk in chunks:
