@@ -289,6 +289,7 @@ class OutputPass:
     loss: torch.Tensor  # [b, s] fp32, the per-token loss GPTModel returns when given labels
     state: vp.OutputState
     seq_batch: tuple[int, int]
+    hidden_dtype: torch.dtype  # of the hidden state given (Float16Module hands the last stage's out in fp32)
 
 
 def mark_vocab_shard(param: torch.nn.Parameter) -> None:
@@ -360,21 +361,26 @@ class VocabShardLayers(torch.nn.Module):
 
     def output_forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> OutputPass:
         """S: ``hidden`` [s, b, h] (the last stage's output, on every rank), ``labels`` [b, s]; one all-gather
-        over :attr:`groups`. Every rank gets the same loss."""
+        over :attr:`groups`. Every rank gets the same loss.
+
+        The logits are computed in the weights' dtype, as Megatron's output layer does inside the model
+        (under Float16Module the last stage's output arrives upcast to fp32: it is cast back, exactly)."""
         s, b, h = hidden.shape
         if tuple(labels.shape) != (b, s):
             raise RuntimeError(f"{FLAG}: labels of shape {tuple(labels.shape)} for a hidden state of [s, b] = [{s}, {b}]")
-        state = vp.output_forward(hidden.detach().reshape(s * b, h), self.output_weight.detach(),
+        weight = self.output_weight.detach()
+        state = vp.output_forward(hidden.detach().to(weight.dtype).reshape(s * b, h), weight,
                                   labels.t().reshape(s * b), self.shard, self.groups)
-        return OutputPass(state.loss.view(s, b).t().contiguous(), state, (s, b))
+        return OutputPass(state.loss.view(s, b).t().contiguous(), state, (s, b), hidden.dtype)
 
     def output_backward(self, out: OutputPass, grad_loss: torch.Tensor) -> tuple[torch.Tensor, WeightGradTask]:
-        """T: the gradient of the hidden state ([s, b, h], summed over :attr:`groups`: one all-reduce) and the
-        W that adds this rank's output-layer weight gradient. ``grad_loss`` [b, s]."""
+        """T: the gradient of the hidden state ([s, b, h] in the dtype of the hidden state S was given, summed
+        over :attr:`groups`: one all-reduce) and the W that adds this rank's output-layer weight gradient.
+        ``grad_loss`` [b, s]."""
         s, b = out.seq_batch
         grad_hidden, compute = vp.output_backward(out.state, self.output_weight.detach(),
                                                   grad_loss.t().reshape(s * b), self.groups)
-        return grad_hidden.view(s, b, -1), WeightGradTask(self.output_weight, compute)
+        return grad_hidden.view(s, b, -1).to(out.hidden_dtype), WeightGradTask(self.output_weight, compute)
 
     # Checkpoints.
 
