@@ -111,8 +111,8 @@ def _refusals(args, core_version: str):
     """One line per thing this cannot run (the first is raised)."""
     version = _version_tuple(core_version)
     if version is not None and version < MIN_CORE_VERSION:
-        yield (f"{FLAG} needs megatron-core 0.19.2 or Megatron-LM main; {core_version} is not supported "
-               f"(0.16.x is not); upgrade megatron-core or drop {FLAG}")
+        yield (f"{FLAG} needs megatron-core 0.19.2 or Megatron-LM main; {version[0]}.{version[1]}.x is not supported; "
+               f"upgrade megatron-core or drop {FLAG}")
     schedule = getattr(args, "pipeline_schedule", None)
     if schedule is None or schedule in MEGATRON_OWN_SCHEDULES:
         yield (f"{FLAG}: the vocabulary passes run in megatron-vshape's executor, not in Megatron's own "
@@ -335,6 +335,12 @@ class VocabShardLayers(torch.nn.Module):
         # Plain attributes (not submodules): the embedding input lives in the first stage's chunk.
         object.__setattr__(self, "embedding_input", None)
         object.__setattr__(self, "final_output", None)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.tied:  # .to() / Float16Module may replace the parameter: the alias follows
+            object.__setattr__(self, "output_weight", self.embedding_weight)
+        return out
 
     @property
     def groups(self) -> tuple:

@@ -702,7 +702,7 @@ def test_check_vocab_parallel_accepts_what_it_supports():
 
 
 @pytest.mark.parametrize("overrides, core_version, words", [
-    ({}, "0.16.1", "needs megatron-core 0.19.2 or Megatron-LM main; 0.16.1 is not supported"),
+    ({}, "0.16.1", "needs megatron-core 0.19.2 or Megatron-LM main; 0.16.x is not supported"),
     ({"pipeline_schedule": "1f1b"}, "0.19.2", "not in Megatron's own 1f1b schedule"),
     ({"pipeline_schedule": None}, "0.19.2", "Megatron's own default schedule"),
     ({"ckpt_format": "torch"}, "0.19.2", "not --ckpt-format torch; use --ckpt-format torch_dist"),
@@ -719,3 +719,69 @@ def test_check_vocab_parallel_accepts_what_it_supports():
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_check_vocab_parallel_refuses_in_one_line(overrides, core_version, words):
     assert words in _refusal(_args(**overrides), core_version)
+
+
+# --- the shard layers alone (one process, no collective) ------------------------------------------------
+
+
+class _Group:
+    """The two questions the shard layers ask a process group."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _layers(tied: bool, pp_rank: int = 1):
+    from megatron_vshape.megatron.vocab_layers import VocabShardLayers
+
+    return VocabShardLayers(64, 8, tied=tied, tp_group=_Group(2, 1), pp_group=_Group(2, pp_rank), dp_cp_group=_Group(1, 0))
+
+
+def test_shard_parameters_are_marked_as_tensor_parallel_rows_and_tied_ones_are_one():
+    import torch
+
+    untied, tied = _layers(False), _layers(True)
+    assert (untied.shard.start, untied.shard.end) == (48, 64)  # TP rank 1's second half
+    assert [name for name, _ in untied.named_parameters()] == ["embedding_weight", "output_weight"]
+    assert [name for name, _ in tied.named_parameters()] == ["embedding_weight"]
+    for param in untied.parameters():
+        assert (param.tensor_model_parallel, param.partition_dim, param.partition_stride) == (True, 0, 1)
+        assert param.is_embedding_or_output_parameter and not getattr(param, "shared", False)
+    assert tied.output_weight is tied.embedding_weight
+    previous = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)  # .to() then makes new parameters
+    try:
+        tied.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(previous)
+    assert tied.output_weight is tied.embedding_weight and tied.output_weight.dtype == torch.float64
+
+
+def test_embedding_lookup_and_its_weight_gradient_land_in_this_ranks_rows():
+    import torch
+
+    layers = _layers(False)
+    with torch.no_grad():
+        layers.embedding_weight.copy_(torch.arange(16 * 8, dtype=torch.float32).view(16, 8))
+    tokens = torch.tensor([[47, 48, 63, 3]])
+    partial = layers.embed(tokens)
+    assert partial.shape == (1, 4, 8) and not partial.requires_grad
+    assert torch.equal(partial[0, 1], layers.embedding_weight[0]) and torch.equal(partial[0, 2], layers.embedding_weight[15])
+    assert partial[0, 0].abs().sum() == 0 and partial[0, 3].abs().sum() == 0  # rows other ranks hold
+    grad = torch.ones(1, 4, 8)
+    task = layers.embedding_weight_grad_task(tokens, grad)
+    assert task.weight is layers.embedding_weight and layers.embedding_weight.grad is None
+    task()
+    assert layers.embedding_weight.grad[[0, 15]].eq(1).all() and layers.embedding_weight.grad[1:15].eq(0).all()
+    layers.embedding_weight.main_grad = torch.zeros(16, 8)  # as Megatron's DDP gives it
+    layers.embedding_weight_grad(tokens, 2 * grad)
+    layers.embedding_weight_grad(tokens, grad)
+    assert layers.embedding_weight.main_grad[0].eq(3).all() and layers.embedding_weight.grad[0].eq(1).all()
+    with pytest.raises(RuntimeError, match="ran twice"):
+        task()
