@@ -630,6 +630,7 @@ print("PROBE" + json.dumps({"models": models, "checkpoints": checkpoints}, defau
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 20-25 s of a 2-core machine, most of it one more import of torch and megatron
 def test_megatron_lm_main_too(megatron_main, tmp_path):
     """The surgery, the microbatch by hand and the checkpoints on Megatron-LM main (0.20), every rank
     importing the checkout's megatron (an interpreter of its own: the fork server imports megatron once)."""
