@@ -63,7 +63,7 @@ from ..runtime import vocab_parallel as vp
 from ..runtime.placement import PipelineRankView, _unwrap, chunk_specs
 from ..schedules.core.schedule import Placement
 from . import hybrid_pattern
-from .flags import MEGATRON_OWN_SCHEDULES, V_SCHEDULE_NAMES, ConfigError
+from .flags import V_SCHEDULE_NAMES, ConfigError
 
 FLAG = "--pipeline-vocab-parallel"
 LAYERS_NAME = "vocab_parallel"  # the submodule of a rank's first chunk
@@ -113,10 +113,9 @@ def _refusals(args, core_version: str):
     if version is not None and version < MIN_CORE_VERSION:
         yield (f"{FLAG} needs megatron-core 0.19.2 or Megatron-LM main; {version[0]}.{version[1]}.x is not supported; "
                f"upgrade megatron-core or drop {FLAG}")
-    schedule = getattr(args, "pipeline_schedule", None)
-    if schedule is None or schedule in MEGATRON_OWN_SCHEDULES:
-        yield (f"{FLAG}: the vocabulary passes run in megatron-vshape's executor, not in Megatron's own "
-               f"{schedule or 'default'} schedule; choose another --pipeline-schedule (e.g. v-half or zb-1p)")
+    if getattr(args, "pipeline_schedule", None) is None:  # 1f1b and interleaved-1f1b run in ours under the flag
+        yield (f"{FLAG}: the vocabulary passes run in megatron-vshape's executor, not in Megatron's default "
+               "schedule; choose a --pipeline-schedule (e.g. 1f1b or v-half)")
     ckpt_format = getattr(args, "ckpt_format", "torch_dist")
     if ckpt_format not in (None, "torch_dist"):
         yield (f"{FLAG}: checkpoints are written in the torch_dist layout (megatron.core.dist_checkpointing), "

@@ -34,8 +34,9 @@ TIMEOUT = 240
 class Case:
     tp: int
     pp: int
-    v: bool  # V placement (two chunks per rank) or looped (one)
+    v: bool  # V placement (two chunks per rank) or looped
     tied: bool
+    chunks: int = 1  # looped: chunks per rank (2: interleaved-1f1b's placement)
     sequence_parallel: bool = False
     rope: bool = False
     dtype: str = "fp32"  # bf16: bf16 weights under Float16Module, gradients in fp32 (as --bf16)
@@ -43,13 +44,19 @@ class Case:
 
     @property
     def name(self) -> str:
-        parts = [f"tp{self.tp}-pp{self.pp}", "v" if self.v else "looped", "tied" if self.tied else "untied"]
+        placement = "v" if self.v else "looped" + (str(self.chunks) if self.chunks > 1 else "")
+        parts = [f"tp{self.tp}-pp{self.pp}", placement, "tied" if self.tied else "untied"]
         parts += ["sp"] * self.sequence_parallel + ["rope"] * self.rope + [self.dtype] * (self.dtype != "fp32")
         return "-".join(parts + [self.control] * bool(self.control))
 
     @property
     def variant(self) -> tuple[bool, bool, str]:
         return self.tied, self.rope, self.dtype
+
+    def placement(self):
+        from megatron_vshape.schedules.core.schedule import Placement
+
+        return Placement.v_shape(self.pp) if self.v else Placement.looped(self.pp, self.chunks)
 
     @property
     def tolerance(self) -> float:
@@ -63,6 +70,7 @@ CASES = [Case(1, 2, v, tied) for v in (False, True) for tied in (False, True)]
 CASES += [Case(1, 4, False, False), Case(1, 4, True, True), Case(2, 2, False, True), Case(2, 2, True, False)]
 CASES += [Case(2, 2, True, False, sequence_parallel=True), Case(2, 2, False, True, sequence_parallel=True, rope=True)]
 CASES += [Case(1, 2, True, False, dtype="bf16")]  # the dtypes through Float16Module
+CASES += [Case(1, 2, False, True, chunks=2)]  # interleaved: the last stage is chunk 1 of the last rank
 CONTROLS = [Case(2, 2, True, False, control=c) for c in ("wrong-offset", "no-w")]
 
 
@@ -116,9 +124,12 @@ def _chunks(case: Case, placement):
     from megatron_vshape.testing.tiny_gpt import make_config
 
     settings = _settings(case)
-    config = make_config(settings, case.pp, case.tp, 2 if case.v else None, case.sequence_parallel)
-    args = argparse.Namespace(pipeline_schedule="v-half" if case.v else "zb-1p", schedule_invariant_init=True,
-                              seed=SEED, pipeline_model_parallel_layout=None, pipeline_vocab_parallel=True)
+    vp = placement.chunks_per_device if placement.chunks_per_device > 1 else None
+    config = make_config(settings, case.pp, case.tp, vp, case.sequence_parallel)
+    schedule = "v-half" if case.v else "interleaved-1f1b" if vp else "zb-1p"
+    args = argparse.Namespace(pipeline_schedule=schedule, schedule_invariant_init=True, seed=SEED,
+                              pipeline_model_parallel_layout=None, pipeline_vocab_parallel=True,
+                              virtual_pipeline_model_parallel_size=vp)
     builder = ChunkBuilder(args)
     chunks = []
     for spec in chunk_specs(placement, parallel_state.get_pipeline_model_parallel_rank()):
@@ -341,7 +352,6 @@ def model_rank(rank: int, world_size: int, cases: list[Case]) -> dict:
 
     from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
     from megatron_vshape.megatron.vocab_layers import find_vocab_layers
-    from megatron_vshape.schedules.core.schedule import Placement
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, 1)
@@ -352,7 +362,7 @@ def model_rank(rank: int, world_size: int, cases: list[Case]) -> dict:
     for case in cases:
         parallel_state.initialize_model_parallel(case.tp, case.pp)
         model_parallel_cuda_manual_seed(SEED)
-        placement = Placement.v_shape(case.pp) if case.v else Placement.looped(case.pp)
+        placement = case.placement()
         patch = _wrong_offset() if case.control == "wrong-offset" else None
         if patch is not None:
             setattr(patch[0], patch[1], patch[2])
@@ -700,12 +710,12 @@ def test_check_vocab_parallel_accepts_what_it_supports():
     check_vocab_parallel(_args())  # the installed megatron-core
     check_vocab_parallel(_args(pipeline_schedule="zb-1p", sequence_parallel=True, untie_embeddings_and_output_weights=True),
                          core_version="0.20.0rc0+d98e8a64")
+    check_vocab_parallel(_args(pipeline_schedule="interleaved-1f1b"), core_version="0.19.2")  # run by our executor
 
 
 @pytest.mark.parametrize("overrides, core_version, words", [
     ({}, "0.16.1", "needs megatron-core 0.19.2 or Megatron-LM main; 0.16.x is not supported"),
-    ({"pipeline_schedule": "1f1b"}, "0.19.2", "not in Megatron's own 1f1b schedule"),
-    ({"pipeline_schedule": None}, "0.19.2", "Megatron's own default schedule"),
+    ({"pipeline_schedule": None}, "0.19.2", "not in Megatron's default schedule; choose a --pipeline-schedule"),
     ({"ckpt_format": "torch"}, "0.19.2", "not --ckpt-format torch; use --ckpt-format torch_dist"),
     ({"mtp_num_layers": 1}, "0.19.2", "drop --mtp-num-layers"),
     ({"hybrid_layer_pattern": "M*M*"}, "0.19.2", "HybridModel is not supported"),
