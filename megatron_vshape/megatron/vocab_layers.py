@@ -63,7 +63,7 @@ from ..runtime import vocab_parallel as vp
 from ..runtime.placement import PipelineRankView, _unwrap, chunk_specs
 from ..schedules.core.schedule import Placement
 from . import hybrid_pattern
-from .flags import MEGATRON_OWN_SCHEDULES, V_SCHEDULE_NAMES, ConfigError
+from .flags import V_SCHEDULE_NAMES, ConfigError
 
 FLAG = "--pipeline-vocab-parallel"
 LAYERS_NAME = "vocab_parallel"  # the submodule of a rank's first chunk
@@ -111,12 +111,11 @@ def _refusals(args, core_version: str):
     """One line per thing this cannot run (the first is raised)."""
     version = _version_tuple(core_version)
     if version is not None and version < MIN_CORE_VERSION:
-        yield (f"{FLAG} needs megatron-core 0.19.2 or Megatron-LM main; {core_version} is not supported "
-               f"(0.16.x is not); upgrade megatron-core or drop {FLAG}")
-    schedule = getattr(args, "pipeline_schedule", None)
-    if schedule is None or schedule in MEGATRON_OWN_SCHEDULES:
-        yield (f"{FLAG}: the vocabulary passes run in megatron-vshape's executor, not in Megatron's own "
-               f"{schedule or 'default'} schedule; choose another --pipeline-schedule (e.g. v-half or zb-1p)")
+        yield (f"{FLAG} needs megatron-core 0.19.2 or Megatron-LM main; {version[0]}.{version[1]}.x is not supported; "
+               f"upgrade megatron-core or drop {FLAG}")
+    if getattr(args, "pipeline_schedule", None) is None:  # 1f1b and interleaved-1f1b run in ours under the flag
+        yield (f"{FLAG}: the vocabulary passes run in megatron-vshape's executor, not in Megatron's default "
+               "schedule; choose a --pipeline-schedule (e.g. 1f1b or v-half)")
     ckpt_format = getattr(args, "ckpt_format", "torch_dist")
     if ckpt_format not in (None, "torch_dist"):
         yield (f"{FLAG}: checkpoints are written in the torch_dist layout (megatron.core.dist_checkpointing), "
@@ -289,6 +288,7 @@ class OutputPass:
     loss: torch.Tensor  # [b, s] fp32, the per-token loss GPTModel returns when given labels
     state: vp.OutputState
     seq_batch: tuple[int, int]
+    hidden_dtype: torch.dtype  # of the hidden state given (Float16Module hands the last stage's out in fp32)
 
 
 def mark_vocab_shard(param: torch.nn.Parameter) -> None:
@@ -335,6 +335,12 @@ class VocabShardLayers(torch.nn.Module):
         object.__setattr__(self, "embedding_input", None)
         object.__setattr__(self, "final_output", None)
 
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.tied:  # .to() / Float16Module may replace the parameter: the alias follows
+            object.__setattr__(self, "output_weight", self.embedding_weight)
+        return out
+
     @property
     def groups(self) -> tuple:
         """The vocabulary's ranks, as the collectives of the passes run over them: TP, then pipeline."""
@@ -360,21 +366,26 @@ class VocabShardLayers(torch.nn.Module):
 
     def output_forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> OutputPass:
         """S: ``hidden`` [s, b, h] (the last stage's output, on every rank), ``labels`` [b, s]; one all-gather
-        over :attr:`groups`. Every rank gets the same loss."""
+        over :attr:`groups`. Every rank gets the same loss.
+
+        The logits are computed in the weights' dtype, as Megatron's output layer does inside the model
+        (under Float16Module the last stage's output arrives upcast to fp32: it is cast back, exactly)."""
         s, b, h = hidden.shape
         if tuple(labels.shape) != (b, s):
             raise RuntimeError(f"{FLAG}: labels of shape {tuple(labels.shape)} for a hidden state of [s, b] = [{s}, {b}]")
-        state = vp.output_forward(hidden.detach().reshape(s * b, h), self.output_weight.detach(),
+        weight = self.output_weight.detach()
+        state = vp.output_forward(hidden.detach().to(weight.dtype).reshape(s * b, h), weight,
                                   labels.t().reshape(s * b), self.shard, self.groups)
-        return OutputPass(state.loss.view(s, b).t().contiguous(), state, (s, b))
+        return OutputPass(state.loss.view(s, b).t().contiguous(), state, (s, b), hidden.dtype)
 
     def output_backward(self, out: OutputPass, grad_loss: torch.Tensor) -> tuple[torch.Tensor, WeightGradTask]:
-        """T: the gradient of the hidden state ([s, b, h], summed over :attr:`groups`: one all-reduce) and the
-        W that adds this rank's output-layer weight gradient. ``grad_loss`` [b, s]."""
+        """T: the gradient of the hidden state ([s, b, h] in the dtype of the hidden state S was given, summed
+        over :attr:`groups`: one all-reduce) and the W that adds this rank's output-layer weight gradient.
+        ``grad_loss`` [b, s]."""
         s, b = out.seq_batch
         grad_hidden, compute = vp.output_backward(out.state, self.output_weight.detach(),
                                                   grad_loss.t().reshape(s * b), self.groups)
-        return grad_hidden.view(s, b, -1), WeightGradTask(self.output_weight, compute)
+        return grad_hidden.view(s, b, -1).to(out.hidden_dtype), WeightGradTask(self.output_weight, compute)
 
     # Checkpoints.
 
