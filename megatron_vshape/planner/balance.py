@@ -98,18 +98,20 @@ class StageExtras:
 
 
 def stage_work(model: GPTModel, layers_per_stage, flash_attention: bool = False,
-               extras: StageExtras | None = None) -> tuple[StageWork, ...]:
+               extras: StageExtras | None = None, vocab_parallel: bool = False) -> tuple[StageWork, ...]:
     """Each stage's (F, B, W, memory) relative to a uniform stage of ``L / len(layers_per_stage)`` layers.
 
     Stage 0 holds the embedding, the last stage the final norm, LM head and loss (``extras``;
-    default :meth:`StageExtras.from_flops`).
+    default :meth:`StageExtras.from_flops`). ``vocab_parallel``: the vocabulary layers run as passes of
+    their own on every device (``--pipeline-vocab-parallel``, planner/vocab.py): the stages hold the
+    layers alone, and the last one keeps no logits.
     """
     layers = tuple(layers_per_stage)
     num_stages = len(layers)
     unit = model.layers / num_stages
-    extras = extras or StageExtras.from_flops(model)
+    extras = StageExtras() if vocab_parallel else extras or StageExtras.from_flops(model)
     act = model.activation_bytes(1, 1, flash_attention)
-    logits = model.logits_bytes(1, 1)
+    logits = 0.0 if vocab_parallel else model.logits_bytes(1, 1)
     weights = model.layer_weights(flash_attention)  # per layer, relative to the mean (1.0 when alike)
     out, start = [], 0
     for stage, count in enumerate(layers):
@@ -188,11 +190,13 @@ def _apportion(total: int, weights: list[float], floors: list[int]) -> list[int]
 
 
 def proportional_layout(model: GPTModel, placement: Placement, costs: Costs,
-                        extras: StageExtras | None = None) -> tuple[int, ...]:
+                        extras: StageExtras | None = None, vocab_parallel: bool = False) -> tuple[int, ...]:
     """Each device gets layers in proportion to what its stages' head/embedding leave of the mean work;
-    within a device, layers go where they even out the stages' work."""
+    within a device, layers go where they even out the stages' work. ``vocab_parallel``: no head or
+    embedding on the stages (the uniform layout where the layers divide)."""
     num_stages, per_device = placement.num_stages, placement.stages_per_device
-    probe = stage_work(model, (0,) * num_stages, extras=extras)  # the extras alone (embedding, head)
+    # the extras alone (embedding, head)
+    probe = stage_work(model, (0,) * num_stages, extras=extras, vocab_parallel=vocab_parallel)
     # One layer is 1/unit of a uniform stage (unit = L / num_stages layers) in each of F, B, W.
     per_layer = (costs.f + costs.b + costs.w) * placement.layer_scale * num_stages / model.layers
     extras = device_work(probe, placement, costs)

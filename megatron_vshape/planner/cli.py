@@ -12,6 +12,10 @@ Everything after ``--`` is read as Megatron-LM flags (its own parser where megat
 installed); ``--from-recipe`` reads them out of a launch script (see planner/recipe.py). Then the
 search also covers CP, EP and the recomputation mode, and prints the flags to add to the recipe.
 
+Every schedule gets two rows: without and with ``--pipeline-vocab-parallel`` (the row named
+``SCHEDULE +vocab``: the vocabulary layers on every pipeline device, planner/vocab.py); ``--no-vocab-parallel``
+drops the second.
+
 Bad input ends with one line on stderr naming the flag and the fix, exit status 2.
 """
 
@@ -30,7 +34,7 @@ from ..schedules.core.schedule import ScheduleError
 from .costs import CostModel, calibrate_efficiency
 from .explain import no_split, why_nothing
 from .hardware import GPUS, get_gpu
-from .layer_layout_mfu import LayoutComparison, compare_layouts
+from .layer_layout_mfu import LayersAlone, LayoutComparison, compare_layouts
 from .model import PRESETS, GPTModel, get_model
 from .predict import Prediction, planner_schedule_names, split_name
 from .recipe_plan import (
@@ -45,6 +49,7 @@ from .recipe_plan import (
     read_inputs,
 )
 from .search import Grid, ScheduleSearch, layouts, search
+from .vocab import FLAG as VOCAB_FLAG
 
 PAPER_SCHEDULES = ("1f1b", "1f1b-r", "v-min", "v-half", "v-zb")
 # The one published number the cost model is calibrated from (paper, arXiv v1): the 9.6B model's
@@ -117,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     s.add_argument("--no-layouts", action="store_true",
                    help="skip the layer-layout comparison (uniform vs balanced) of each schedule's best layout")
+    s.add_argument("--no-vocab-parallel", action="store_true",
+                   help=f"skip the rows with {VOCAB_FLAG} (the vocabulary layers on every pipeline device)")
     return p
 
 
@@ -216,11 +223,12 @@ def _row(pred: Prediction) -> str:
 
 
 def report(results: list[ScheduleSearch], show_all: bool, reasons: dict[str, str] | None = None) -> str:
-    """One line per schedule, best first; ``reasons`` says why a schedule found nothing."""
+    """One line per row (a schedule, and the schedule with ``+vocab``), best first; ``reasons`` says why
+    a row found nothing (by row name)."""
     lines = []
     for found in sorted(results, key=lambda r: -(r.best.mfu if r.best else -1)):
-        head = f"{found.schedule:17s}"
-        why = (reasons or {}).get(found.schedule, found.reason)
+        head = f"{found.label:<16s} "
+        why = (reasons or {}).get(found.label, found.reason)
         lines.append(head + (_row(found.best) if found.best else "nothing fits: " + why)
                      + f"   [{len(found.evaluated)} simulated, {found.skipped} pruned]")
         if show_all:
@@ -246,47 +254,74 @@ def run(args) -> list[ScheduleSearch]:
         raise UsageError(reason)
     layouts_to_try = len(list(layouts(model, args.gpus, args.global_batch, grid, cost_model.gpu.gpus_per_node)))
     large = layouts_to_try * len(names) > LARGE_SEARCH
+    variants = (False,) if args.no_vocab_parallel else (False, True)
     results = []
     for index, name in enumerate(names, 1):
         label = f"searching {name} ({index}/{len(names)}, up to {layouts_to_try} layouts)"
         with phase(label, large, prefix="vshape plan"):
-            results += search([name], model, cost_model, args.gpus, args.global_batch, grid, args.flash_attention)
+            for vocab_parallel in variants:
+                results += search([name], model, cost_model, args.gpus, args.global_batch, grid, args.flash_attention,
+                                  vocab_parallel)
     return results
 
 
+Comparison = LayoutComparison | LayersAlone | str
+
+
 def layout_comparisons(results: list[ScheduleSearch], model: GPTModel, cost_model: CostModel,
-                       flash_attention: bool) -> dict[str, LayoutComparison | str]:
-    """Per schedule with a best layout: reference vs balanced layer layout, or why there is none."""
-    out: dict[str, LayoutComparison | str] = {}
+                       flash_attention: bool) -> dict[str, Comparison]:
+    """Per row with a best layout (by row name): reference vs balanced layer layout, or why there is none;
+    for a ``+vocab`` row its own run on the layers alone (nothing to balance), next to the schedule's best
+    run without the flag."""
+    out: dict[str, Comparison] = {}
     for found in results:
-        if found.best is None:
+        if found.best is None or found.vocab_parallel:
             continue
         try:
-            out[found.schedule] = compare_layouts(found.schedule, model, cost_model, found.best.layout, flash_attention)
+            out[found.label] = compare_layouts(found.schedule, model, cost_model, found.best.layout, flash_attention)
         except ValueError as error:  # ScheduleError included; recomputing schedules are not modelled
-            out[found.schedule] = " ".join(str(error).split())
+            out[found.label] = " ".join(str(error).split())
+    for found in results:
+        if found.best is not None and found.vocab_parallel:
+            out[found.label] = LayersAlone(found.best)
     return out
 
 
-def runs_of_the_flags(results: list[ScheduleSearch], comparisons: dict[str, LayoutComparison | str]) -> None:
+def runs_of_the_flags(results: list[ScheduleSearch], comparisons: dict[str, Comparison]) -> None:
     """Where the layout table's balanced layout beats the search's own, the flags recommend it
-    (``recipe_plan.commands``): the schedule's row shows that run (the same prediction), so both tables agree."""
+    (``recipe_plan.commands``): the schedule's row shows that run (the same prediction), so both tables agree.
+    A ``+vocab`` row's line is its own run already; it learns the best run without the flag (the row
+    above, after this swap) to compare with."""
     for found in results:
-        comparison = comparisons.get(found.schedule)
+        comparison = comparisons.get(found.label)
         if found.best is not None and isinstance(comparison, LayoutComparison) \
                 and comparison.balanced_mfu > found.best.mfu:
             found.best = comparison.balanced
+    without = {r.schedule: r.best for r in results if not r.vocab_parallel}
+    for found in results:
+        comparison = comparisons.get(found.label)
+        if isinstance(comparison, LayersAlone):
+            comparisons[found.label] = LayersAlone(comparison.run, without.get(found.schedule))
 
 
-def layout_report(comparisons: dict[str, LayoutComparison | str]) -> str:
+def layout_report(comparisons: dict[str, Comparison]) -> str:
     lines = ["", "Layer layout of each best configuration, with the embedding, LM head and loss costed on their own "
              "stages (--pipeline-layout uniform|balanced):"]
+    if any(isinstance(c, LayersAlone) for c in comparisons.values()):
+        lines.append(f"(+vocab rows, {VOCAB_FLAG}: every device runs 1/p of the embedding, LM head and loss, so the "
+                     "stages hold the layers alone and their layout is the layers' own: uniform is even)")
     for name, c in comparisons.items():
         if isinstance(c, str):
-            lines.append(f"{name:17s}not compared: {c}")
+            lines.append(f"{name:<16s} not compared: {c}")
+            continue
+        if isinstance(c, LayersAlone):
+            versus = "" if c.without is None else \
+                f"  (x{c.without.iteration_time / c.run.iteration_time:.3f} vs without the flag, MFU {c.without.mfu:6.2%})"
+            lines.append(f"{name:<16s} layers alone {format_layout(c.layers)}: iter {c.run.iteration_time:7.2f} s MFU "
+                         f"{c.run.mfu:6.2%}{versus}")
             continue
         choice = c.choice
-        lines.append(f"{name:17s}{c.choice.reference_name} {format_layout(choice.reference_layers)}: iter "
+        lines.append(f"{name:<16s} {c.choice.reference_name} {format_layout(choice.reference_layers)}: iter "
                      f"{c.reference_iteration:7.2f} s MFU {c.reference_mfu:6.2%}  ->  balanced "
                      f"{format_layout(choice.layers_per_stage)}: iter {c.balanced_iteration:7.2f} s MFU "
                      f"{c.balanced_mfu:6.2%} (x{c.reference_iteration / c.balanced_iteration:.3f})")
@@ -317,27 +352,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model.name} ({model.total_params / 1e9:.1f}B parameters, seq {model.seq_length}) on "
               f"{args.gpus} x {cost_model.gpu.name}, global batch {args.global_batch}, "
               f"{cost_model.efficiency:.1%} of peak for the GEMMs")
-    reasons = {r.schedule: why_nothing(r, model, cost_model, args.gpus, args.global_batch, _grid(args))
+    reasons = {r.label: why_nothing(r, model, cost_model, args.gpus, args.global_batch, _grid(args))
                for r in results if r.best is None}
     comparisons = {} if args.no_layouts else layout_comparisons(results, model, cost_model, args.flash_attention)
     runs_of_the_flags(results, comparisons)
     if comparisons:
-        print("Each row is the run its flags give (printed at the end; its --pipeline-layout included):")
+        print("Each row is the run its flags give (printed at the end; its --pipeline-layout included, and "
+              f"{VOCAB_FLAG} in the +vocab rows'):")
     print(report(results, args.all, reasons))
     if comparisons:
         print(layout_report(comparisons))
     if args.recipe is not None:
         print(commands(results, comparisons))
     if args.json:
-        records = [{"schedule": r.schedule, "best": r.best.to_json() if r.best else None,
-                    "reason": reasons.get(r.schedule, r.reason),
-                    "layout": _layout_json(comparisons.get(r.schedule)),
+        records = [{"schedule": r.schedule, "vocab_parallel": r.vocab_parallel,
+                    "best": r.best.to_json() if r.best else None,
+                    "reason": reasons.get(r.label, r.reason),
+                    "layout": _layout_json(comparisons.get(r.label)),
                     "evaluated": [p.to_json() for p in r.evaluated]} for r in results]
         args.json.write_text(json.dumps(records, indent=2))
     return 0
 
 
-def _layout_json(comparison: LayoutComparison | str | None):
+def _layout_json(comparison: Comparison | None):
     if comparison is None or isinstance(comparison, str):
         return None if comparison is None else {"error": comparison}
     return comparison.to_json()

@@ -1,8 +1,9 @@
 """The answer as a command: the flags to add to the user's recipe for one planned configuration.
 
 Megatron-LM's own flags for the parallel sizes, the microbatch size and recomputation, and the
-plugin's ``--pipeline-schedule`` / ``--pipeline-layout`` (megatron_vshape.megatron.arguments). Later
-flags win in argparse, so appending these to a recipe's command line overrides its own sizes.
+plugin's ``--pipeline-schedule`` / ``--pipeline-layout`` (megatron_vshape.megatron.arguments), with
+``--pipeline-vocab-parallel`` for a run with vocabulary parallelism. Later flags win in argparse, so
+appending these to a recipe's command line overrides its own sizes.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ from __future__ import annotations
 from ..layout_flag import format_layout
 from .parallel_layout import ParallelLayout
 from .predict import recompute_mode, split_name
+from .vocab import FLAG as VOCAB_FLAG
 
 
-def recipe_flags(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
-    """Flags (words) that make a Megatron run use ``schedule`` on ``layout`` with ``layers_per_stage``."""
+def recipe_flags(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[int, ...] | None = None,
+                 vocab_parallel: bool = False) -> list[str]:
+    """Flags (words) that make a Megatron run use ``schedule`` on ``layout`` with ``layers_per_stage``
+    (and vocabulary parallelism with ``vocab_parallel``)."""
     base, _ = split_name(schedule)
     flags = [
         "--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp),
@@ -25,6 +29,8 @@ def recipe_flags(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[
     flags += ["--pipeline-schedule", base]
     if layers_per_stage:
         flags += ["--pipeline-layout", format_layout(layers_per_stage)]
+    if vocab_parallel:
+        flags.append(VOCAB_FLAG)
     mode = recompute_mode(schedule, layout)
     if mode == "selective":
         flags += ["--recompute-granularity", "selective"]
@@ -33,5 +39,6 @@ def recipe_flags(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[
     return flags
 
 
-def command_line(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[int, ...] | None = None) -> str:
-    return " ".join(recipe_flags(schedule, layout, layers_per_stage))
+def command_line(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[int, ...] | None = None,
+                 vocab_parallel: bool = False) -> str:
+    return " ".join(recipe_flags(schedule, layout, layers_per_stage, vocab_parallel))

@@ -164,6 +164,31 @@ class CostModel:
         bandwidth = self.gpu.internode_bandwidth if crossing else self.gpu.nvlink_bandwidth
         return P2P_LATENCY + nbytes / (bandwidth * self.bandwidth_efficiency)
 
+    def pipeline_group_bandwidth(self, layout: ParallelLayout) -> float:
+        """Bytes/s of a ring over one pipeline group. Its ranks are TP x CP x DP apart in Megatron's rank
+        order; once the group spans more than one node the ring crosses the inter-node network (twice),
+        which then paces it, whatever the links between most neighbours are."""
+        return self._within_node(layout.tp * layout.cp * layout.dp * layout.pp) * self.bandwidth_efficiency
+
+    def vocab_collectives(self, model: GPTModel, layout: ParallelLayout) -> float:
+        """Seconds of the pipeline group's collectives in one vocabulary-parallel H pass (every rank takes
+        part; the runtime's S and T passes, planner/vocab.py):
+
+        * the final hidden state, broadcast from the last stage to the p ranks, and its gradient, reduced
+          back (summed over the shards): each one p2p message's bytes (one TP rank's sequence-parallel
+          part, b s h / (TP CP) in bf16); a ring broadcast or reduce sends the bytes in pipelined chunks,
+          about bytes / bandwidth;
+        * the softmax statistics (max, sum of exponentials, target logit: three fp32 per token), gathered
+          from the p - 1 other ranks;
+        * a launch latency each.
+        """
+        if layout.pp <= 1:
+            return 0.0
+        tokens = layout.micro_batch * model.seq_length / layout.cp
+        message = 2.0 * tokens * model.hidden / layout.tp
+        statistics = 3 * 4.0 * tokens * (layout.pp - 1)
+        return 3 * P2P_LATENCY + (2 * message + statistics) / self.pipeline_group_bandwidth(layout)
+
     def params_per_gpu(self, model: GPTModel, layout: ParallelLayout) -> float:
         return model.total_params / (layout.tp * layout.pp)
 

@@ -4,6 +4,10 @@
 own stages; both layouts are then costed by :func:`.predict.predict`, the function that costs the
 search's rows, so a row and its layout's line describe the same run (the schedule generated as training
 generates it, Megatron's blocking p2p where it blocks, the same DP sync and optimizer step).
+
+With ``--pipeline-vocab-parallel`` the stages hold the layers alone, so there is nothing to balance: the
+layout is the layers' own (:func:`.predict.stage_plan`: uniform where they divide) and its line in the
+table is the row's run (:class:`LayersAlone`), next to the same schedule's run without the flag.
 """
 
 from __future__ import annotations
@@ -52,6 +56,25 @@ class LayoutComparison:
             "reference_mfu": self.reference_mfu, "balanced_mfu": self.balanced_mfu,
             "reference_peak_activation": choice.reference_peak_memory, "balanced_peak_activation": choice.peak_memory,
         }
+
+
+@dataclass(frozen=True)
+class LayersAlone:
+    """The layout of a run with ``--pipeline-vocab-parallel``: the layers alone, no balancing; ``run`` is
+    the row's prediction, ``without`` the same schedule's best run without the flag (None if none fits)."""
+
+    run: Prediction
+    without: Prediction | None = None
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.run.layers_per_stage
+
+    def to_json(self) -> dict:
+        return {"schedule": self.run.schedule, "vocab_parallel": True, "layers": list(self.layers),
+                "iteration_s": self.run.iteration_time, "mfu": self.run.mfu,
+                "without_flag_mfu": None if self.without is None else self.without.mfu,
+                "without_flag_iteration_s": None if self.without is None else self.without.iteration_time}
 
 
 def chunk_costs(model: GPTModel, cost_model: CostModel, layout: ParallelLayout, flash_attention: bool = False) -> Costs:

@@ -161,7 +161,8 @@ def parse_flags(argv: list[str], use_megatron: bool = True) -> ParsedFlags:
         pattern=pattern, segments=segments, mamba_state=get("mamba_state_dim") or 128,
         mamba_head_dim=get("mamba_head_dim") or 64, mamba_groups=get("mamba_num_groups") or 8,
         mamba_heads=get("mamba_num_heads") or 0,
-        make_vocab_divisible_by=get("make_vocab_size_divisible_by") or 128)
+        make_vocab_divisible_by=get("make_vocab_size_divisible_by") or 128,
+        tied_embeddings=not get("untie_embeddings_and_output_weights", False))
     backend = str(get("attention_backend", "auto")).rsplit(".", 1)[-1].lower()  # AttnBackend enum or text
     granularity = get("recompute_granularity") or "none"
     sizes = {"tp": get("tensor_model_parallel_size", 1), "pp": get("pipeline_model_parallel_size", 1),

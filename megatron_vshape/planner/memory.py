@@ -5,13 +5,19 @@ hold one layer fewer, the last also keeps the fp32 logits), so a device's peak i
 stages' allocations (F) and releases (B frees what only the input gradient needed, W the GEMM
 inputs) actually overlap in time. Context parallelism splits activations like sequence
 parallelism does (over TP x CP); recomputation modes: see :func:`activation_model`.
+
+Vocabulary parallelism (``--pipeline-vocab-parallel``): each of the p pipeline devices holds 1/p of the
+rows of the word embedding and of the output layer (:func:`vocab_params_per_device`), and instead of
+the last stage keeping one microbatch's fp32 logits from its F to its B, every device holds its shard's
+logit gradient and a copy of the final hidden state from its H pass to its G pass
+(:func:`vocab_activation_bytes`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules.core.actions import Kind
+from ..schedules.core.actions import Kind, VocabKind
 from ..schedules.core.simulator import SimulationResult
 from .model import GPTModel
 from .parallel_layout import ParallelLayout, stage_layers
@@ -51,28 +57,68 @@ def stage_starts(layers) -> list[int]:
     return starts
 
 
+def shard_rows(rows: int, parts: int) -> tuple[int, ...]:
+    """Rows of each of ``parts`` contiguous parts, the first ``rows % parts`` one longer (the runtime's
+    split of the vocabulary over the pipeline ranks, runtime/vocab_parallel.py)."""
+    base, extra = divmod(rows, parts)
+    return tuple(base + (1 if index < extra else 0) for index in range(parts))
+
+
+def vocab_params_per_device(model: GPTModel, stages_per_device, num_stages: int,
+                            vocab_parallel: bool = False) -> tuple[float, ...]:
+    """Parameters of the vocabulary layers (the word embedding and the output layer's matrix) on each
+    pipeline device, before the TP split.
+
+    Without vocabulary parallelism the first stage's device holds the embedding and the last stage's
+    the output layer (a copy of the embedding when they are tied: Megatron keeps the tied matrix on both
+    stages); on a V placement device 0 holds both. With it each device holds its rows of each distinct
+    matrix (one when tied, two when not): 1/p of the vocabulary layers.
+    """
+    if vocab_parallel:
+        matrices = model.vocab_layer_params // model.vocab_matrix_params
+        return tuple(float(rows * model.hidden * matrices)
+                     for rows in shard_rows(model.padded_vocab, len(stages_per_device)))
+    one = float(model.vocab_matrix_params)
+    return tuple(one * ((0 in stages) + (num_stages - 1 in stages)) for stages in stages_per_device)
+
+
 def static_bytes(model: GPTModel, layout: ParallelLayout, stages_per_device, num_stages: int,
-                 distributed_optimizer: bool, layers_per_stage=None) -> tuple[float, ...]:
+                 distributed_optimizer: bool, layers_per_stage=None, vocab_parallel: bool = False) -> tuple[float, ...]:
     """Weights, gradients and optimizer state per device; routed experts split over EP x TP and
-    their optimizer state over the DP x CP / EP ranks that share them (Megatron's expert-DP group)."""
+    their optimizer state over the DP x CP / EP ranks that share them (Megatron's expert-DP group).
+    The vocabulary layers: :func:`vocab_params_per_device`; learned positions stay on the first stage,
+    the final norm on the last."""
     layers = list(layers_per_stage) if layers_per_stage is not None else stage_layers(model, num_stages)
     starts = stage_starts(layers)
     data = layout.dp * layout.cp
     per_param = bytes_per_param(data, distributed_optimizer)
     per_expert = bytes_per_param(max(data // layout.ep, 1), distributed_optimizer)
+    vocab = vocab_params_per_device(model, stages_per_device, num_stages, vocab_parallel)
     out = []
-    for stages in stages_per_device:
-        dense = experts = 0.0
+    for stages, vocab_params in zip(stages_per_device, vocab):
+        dense, experts = vocab_params, 0.0
         for s in stages:
             d, e = model.stage_params(starts[s], layers[s]) if layers_per_stage is not None else \
                 (layers[s] * model.layer_params, 0.0)
             dense, experts = dense + d, experts + e
         if 0 in stages:
-            dense += model.embedding_params
+            dense += model.embedding_params - model.vocab_matrix_params  # learned positions
         if num_stages - 1 in stages:
-            dense += model.head_params
+            dense += model.head_params - model.vocab_matrix_params  # final norm
         out.append(dense / layout.tp * per_param + experts / (layout.tp * layout.ep) * per_expert)
     return tuple(out)
+
+
+def vocab_activation_bytes(model: GPTModel, layout: ParallelLayout) -> tuple[float, float]:
+    """(held, transient) bytes of one microbatch's vocabulary passes on the busiest shard (the most rows
+    of one TP rank's part of the vocabulary, split over the p pipeline ranks).
+
+    Held from H to G: the logits' gradient (bf16, cast for the weight-gradient GEMM) and the copy of the
+    final hidden state the weight gradient reads (bf16, every token of the microbatch). Alive only inside
+    H: the shard's fp32 logits and softmax (the loss's statistics)."""
+    tokens = layout.micro_batch * model.seq_length / layout.cp
+    rows = shard_rows(-(-model.padded_vocab // layout.tp), layout.pp)[0]
+    return 2.0 * tokens * rows + 2.0 * tokens * model.hidden, 8.0 * tokens * rows
 
 
 @dataclass(frozen=True)
@@ -82,12 +128,16 @@ class ActivationModel:
     stage_bytes: tuple[float, ...]
     b_release: float
     transient: float = 0.0  # extra bytes alive only inside a pass (recomputation)
+    vocab_held: float = 0.0  # vocabulary parallelism: bytes one shard holds from its H to its G
+    vocab_transient: float = 0.0  # ... and alive only inside its H
 
 
 def activation_model(model: GPTModel, layout: ParallelLayout, num_stages: int, flash_attention: bool,
-                     recompute: bool | str, layers_per_stage=None) -> ActivationModel:
+                     recompute: bool | str, layers_per_stage=None, vocab_parallel: bool = False) -> ActivationModel:
     """``recompute``: False/"none", True/"full" (each layer keeps its input; the backward rebuilds
-    one layer at a time), or "selective" (core attention rebuilt: its s x s scores not kept)."""
+    one layer at a time), or "selective" (core attention rebuilt: its s x s scores not kept).
+    ``vocab_parallel``: the last stage keeps no logits; each vocabulary shard holds
+    :func:`vocab_activation_bytes` instead."""
     mode = {True: "full", False: "none"}.get(recompute, recompute)
     mb, split = layout.micro_batch, layout.tp * layout.cp
     layers = list(layers_per_stage) if layers_per_stage is not None else stage_layers(model, num_stages)
@@ -108,26 +158,39 @@ def activation_model(model: GPTModel, layout: ParallelLayout, num_stages: int, f
     else:  # layers that differ (a pattern): each stage's own sum
         weights = [w[3] for w in model.layer_weights(flash_attention or mode == "selective")]
         sizes = [sum(weights[s:s + n]) * per_layer for s, n in zip(stage_starts(layers), layers)]
-    sizes[-1] += model.logits_bytes(mb, split)
-    return ActivationModel(tuple(sizes), b_release, transient)
+    if not vocab_parallel:
+        sizes[-1] += model.logits_bytes(mb, split)
+        return ActivationModel(tuple(sizes), b_release, transient)
+    held, inside = vocab_activation_bytes(model, layout)
+    return ActivationModel(tuple(sizes), b_release, transient, held, inside)
 
 
 def activation_peaks(result: SimulationResult, acts: ActivationModel) -> tuple[float, ...]:
-    """Peak activation bytes per device over the simulated timeline."""
+    """Peak activation bytes per device over the simulated timeline. A vocabulary H allocates its
+    shard's bytes at its start, its G frees them at its end; a pass's transient bytes (a recomputing
+    backward's, an H's logits) come on top of the device's peak, the larger of the two where both run."""
     events: list[list[tuple[float, int, float]]] = [[] for _ in range(result.schedule.num_devices)]
     for action, interval in result.timeline.items():
+        kind = action.kind
+        if kind is VocabKind.H:
+            events[interval.device].append((interval.start, 1, acts.vocab_held))
+            continue
+        if kind is VocabKind.G:
+            events[interval.device].append((interval.end, 0, -acts.vocab_held))
+            continue
         size = acts.stage_bytes[action.stage]
-        if action.kind is Kind.F:
+        if kind is Kind.F:
             events[interval.device].append((interval.start, 1, size))
-        elif action.kind is Kind.B:
+        elif kind is Kind.B:
             events[interval.device].append((interval.end, 0, -size * acts.b_release))
         else:
             events[interval.device].append((interval.end, 0, -size * (1.0 - acts.b_release)))
+    transient = max(acts.transient, acts.vocab_transient if result.schedule.vocab_parallel else 0.0)
     peaks = []
     for device_events in events:
         level = peak = 0.0
         for _, _, delta in sorted(device_events):
             level += delta
             peak = max(peak, level)
-        peaks.append(peak + acts.transient)
+        peaks.append(peak + transient)
     return tuple(peaks)

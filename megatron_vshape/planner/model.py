@@ -51,6 +51,7 @@ class GPTModel:
     mamba_groups: int = 8
     mamba_heads: int = 0
     make_vocab_divisible_by: int = 1  # Megatron pads the vocabulary to a multiple of this (its default: 128)
+    tied_embeddings: bool = True  # False: --untie-embeddings-and-output-weights (Megatron ties them by default)
 
     def __post_init__(self):
         for field_name in ("layers", "hidden", "heads", "seq_length", "vocab"):
@@ -145,6 +146,17 @@ class GPTModel:
         # The output layer is counted even when tied: with PP > 1 the last stage holds its own copy
         # (Megatron keeps the tied word embedding on both the first and the last stage).
         return self.padded_vocab * self.hidden + (1 if self.rmsnorm else 2) * self.hidden  # + final norm
+
+    @property
+    def vocab_matrix_params(self) -> int:
+        """One vocabulary matrix (padded vocabulary x hidden): the word embedding, or the output layer."""
+        return self.padded_vocab * self.hidden
+
+    @property
+    def vocab_layer_params(self) -> int:
+        """The distinct parameters of the vocabulary layers: one matrix when the embedding and the output
+        layer are tied, two when not (the shards of vocabulary parallelism hold each once)."""
+        return self.vocab_matrix_params * (1 if self.tied_embeddings else 2)
 
     @property
     def total_params(self) -> float:

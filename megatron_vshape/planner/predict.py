@@ -9,11 +9,15 @@ paper's "embedding and head each take one layer's slot" (its tables were reprodu
 every other model or layer count is costed per stage (:func:`.balance.stage_work`: the head's
 GEMM, per-layer weights of a HybridModel pattern) on an uneven layout, proportional to each
 device's work (:func:`.balance.proportional_layout`), so no divisibility rule hides a configuration.
+
+``vocab_parallel`` (``--pipeline-vocab-parallel``, :mod:`.vocab`): the stages hold the layers alone (the
+layout is the layers' own: uniform where they divide), the schedule carries every device's vocabulary
+passes, and the memory estimate the vocabulary layers' 1/p shards.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..schedules.core.schedule import Costs, ScheduleError, StageWork
 from ..schedules.generators.registry import SCHEDULES, fuses_backward
@@ -24,6 +28,7 @@ from .memory import RESERVED_BYTES, MemoryEstimate, activation_model, activation
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
 from .simcache import run_pipeline
+from .vocab import label, vocab_work
 
 RECOMPUTE_SUFFIX = "-r"  # "1f1b-r": a schedule with full activation recomputation
 
@@ -59,10 +64,15 @@ class Prediction:
     extrapolated: bool
     layers_per_stage: tuple[int, ...] = ()  # the layout costed ((): the paper's slot model)
     dp_exposed: float = 0.0  # seconds of DP sync the iteration pays
+    vocab_parallel: bool = False  # --pipeline-vocab-parallel: the vocabulary layers on every device
 
     @property
     def oom(self) -> bool:
         return self.memory.peak > self.capacity
+
+    @property
+    def label(self) -> str:
+        return label(self.schedule, self.vocab_parallel)
 
     def to_json(self) -> dict:
         lay = self.layout
@@ -70,6 +80,7 @@ class Prediction:
             "schedule": self.schedule, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
             "cp": lay.cp, "ep": lay.ep, "recompute": lay.recompute,
             "micro_batch": lay.micro_batch, "num_microbatches": lay.num_microbatches,
+            "vocab_parallel": self.vocab_parallel,
             "layers_per_stage": list(self.layers_per_stage), "dp_exposed_s": self.dp_exposed,
             "iteration_time_s": self.iteration_time, "mfu": self.mfu, "bubble_rate": self.bubble_rate,
             "peak_memory_gib": self.memory.peak / 1024**3,
@@ -91,25 +102,28 @@ def recompute_mode(name: str, layout: ParallelLayout) -> str:
     return "full" if split_name(name)[1] else layout.recompute
 
 
-def stage_plan(name: str, layout: ParallelLayout, model: GPTModel, times: PassTimes) -> tuple[int, ...] | None:
-    """Layers per stage for the per-stage cost model, or None for the paper's slot model."""
+def stage_plan(name: str, layout: ParallelLayout, model: GPTModel, times: PassTimes,
+               vocab_parallel: bool = False) -> tuple[int, ...] | None:
+    """Layers per stage for the per-stage cost model, or None for the paper's slot model (never with
+    ``vocab_parallel``: the stages then hold the layers alone, uniform where they divide)."""
     stages = num_stages(name, layout.pp)
-    if layout.uses_slots(model, stages):
+    if not vocab_parallel and layout.uses_slots(model, stages):
         return None
     if model.segments:
         return tuple(model.segments)
     base, _ = split_name(name)
     unit = model.layers / (2 * layout.pp)
     costs = Costs(unit * times.f, unit * times.b, unit * times.w, times.p2p)
-    return tuple(proportional_layout(model, placement_for(base, layout.pp), costs))
+    return tuple(proportional_layout(model, placement_for(base, layout.pp), costs, vocab_parallel=vocab_parallel))
 
 
 def staged_costs(times: PassTimes, model: GPTModel, layers: tuple[int, ...], full_recompute: bool, pp: int,
-                 flash_attention: bool) -> Costs:
-    """Costs per uniform V chunk (L/(2 pp) layers) with each stage's own work (head, uneven layers)."""
+                 flash_attention: bool, vocab_parallel: bool = False) -> Costs:
+    """Costs per uniform V chunk (L/(2 pp) layers) with each stage's own work (head, uneven layers;
+    the layers alone with ``vocab_parallel``: the vocabulary work is :func:`.vocab.vocab_work`'s)."""
     unit = model.layers / (2 * pp)
     f, b, w = unit * times.f, unit * times.b, unit * times.w
-    works = stage_work(model, layers, flash_attention)
+    works = stage_work(model, layers, flash_attention, vocab_parallel=vocab_parallel)
     if full_recompute:  # each stage's backward first re-runs its forward
         works = tuple(StageWork(x.f, (x.b * b + x.f * f) / (b + f), x.w, x.memory) for x in works)
         b += f
@@ -117,10 +131,12 @@ def staged_costs(times: PassTimes, model: GPTModel, layers: tuple[int, ...], ful
 
 
 def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: CostModel,
-            flash_attention: bool = False, layers: tuple[int, ...] | None = None) -> Prediction:
+            flash_attention: bool = False, layers: tuple[int, ...] | None = None,
+            vocab_parallel: bool = False) -> Prediction:
     """Raise ValueError/ScheduleError naming the problem if the layout cannot run the schedule.
 
-    ``layers``: the layers per stage to cost (a ``--pipeline-layout``); default :func:`stage_plan`'s."""
+    ``layers``: the layers per stage to cost (a ``--pipeline-layout``); default :func:`stage_plan`'s.
+    ``vocab_parallel``: the run with ``--pipeline-vocab-parallel`` (see the module docstring)."""
     base, _ = split_name(name)
     mode = recompute_mode(name, layout)
     stages = num_stages(name, layout.pp)
@@ -129,15 +145,17 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
         raise ValueError(problem)
     times = cost_model.pass_times(model, layout, flash_attention)
     if layers is None:
-        layers = stage_plan(name, layout, model, times)
+        layers = stage_plan(name, layout, model, times, vocab_parallel)
     if layers is None:
         costs = chunk_costs(times, model, stages, mode == "full", layout.pp)
     else:
-        costs = staged_costs(times, model, layers, mode == "full", layout.pp, flash_attention)
+        costs = staged_costs(times, model, layers, mode == "full", layout.pp, flash_attention, vocab_parallel)
     timed = costs
     if cost_model.blocking_p2p and blocks_on_p2p(base) and layout.pp > 1:
         timed = blocking_costs(base, costs, layout.pp,
                                lambda a, b: cost_model.p2p_between(model, layout, a, b))
+    if vocab_parallel:  # the vocabulary passes, against the costs the simulator times (their comm)
+        timed = replace(timed, vocab=vocab_work(model, layout, cost_model, times, timed, flash_attention))
     uneven = layers is not None and len(set(layers)) > 1  # training's schedule sees per-stage work then
     run = run_pipeline(base, layout.pp, layout.num_microbatches, timed, coarse=not model.paper_shape,
                        staged_order=uneven)
@@ -156,8 +174,8 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
     mfu = model.model_flops(layout.global_batch) / (iteration * layout.gpus * cost_model.mfu_peak)
     placement = run.sample.schedule.placement
     static = static_bytes(model, layout, placement.stages_per_device, stages, cost_model.distributed_optimizer,
-                          layers)
-    acts = activation_model(model, layout, stages, flash_attention, mode, layers)
+                          layers, vocab_parallel)
+    acts = activation_model(model, layout, stages, flash_attention, mode, layers, vocab_parallel)
     peaks = activation_peaks(run.sample, acts)
     if run.earlier is not None:
         earlier = activation_peaks(run.earlier, acts)
@@ -165,7 +183,7 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
     memory = MemoryEstimate(static, peaks)
     capacity = cost_model.gpu.memory_bytes - RESERVED_BYTES
     return Prediction(name, layout, iteration, mfu, bubble, memory, capacity, times, run.extrapolated,
-                      layers or (), dp)
+                      layers or (), dp, vocab_parallel)
 
 
 __all__ = ["Prediction", "ScheduleError", "chunk_costs", "num_stages", "planner_schedule_names", "predict",

@@ -2,6 +2,8 @@
 like the paper's hybrid runs. The paper's grid is the default (CP 1, EP 1, no recomputation);
 ``vshape plan -- <Megatron flags>`` widens it to every CP, EP and recomputation mode.
 
+``vocab_parallel``: the same search for the runs with ``--pipeline-vocab-parallel`` (planner/vocab.py).
+
 Branch and bound: every candidate gets a cheap upper bound on its MFU (no pipeline bubble);
 candidates are simulated best-bound first, and the search for a schedule stops as soon as the
 best feasible MFU found beats every remaining bound. Configurations whose static memory alone
@@ -21,6 +23,7 @@ from .memory import RESERVED_BYTES, bytes_per_param
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
 from .predict import Prediction, chunk_costs, num_stages, predict, recompute_mode, split_name
+from .vocab import head_seconds, label
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ class ScheduleSearch:
     best: Prediction | None = None
     evaluated: list[Prediction] = field(default_factory=list)
     skipped: int = 0  # candidates pruned by the bound or by static memory
+    vocab_parallel: bool = False  # the runs with --pipeline-vocab-parallel
+
+    @property
+    def label(self) -> str:
+        """The row's name: the schedule, with ``+vocab`` for the runs with the flag."""
+        return label(self.schedule, self.vocab_parallel)
 
     @property
     def reason(self) -> str:
@@ -72,7 +81,7 @@ def layouts(model: GPTModel, gpus: int, global_batch: int, grid: Grid, gpus_per_
 
 
 def _upper_bound(name: str, layout: ParallelLayout, model: GPTModel, cost_model: CostModel,
-                 flash_attention: bool = False) -> float:
+                 flash_attention: bool = False, vocab_parallel: bool = False) -> float:
     """MFU if the pipeline had no bubble except its fill.
 
     Iteration >= (time before the last device can start) + work per device + DP sync + step:
@@ -83,7 +92,14 @@ def _upper_bound(name: str, layout: ParallelLayout, model: GPTModel, cost_model:
     times = cost_model.pass_times(model, layout, flash_attention)
     costs = chunk_costs(times, model, stages, recompute_mode(name, layout) == "full", layout.pp)
     work = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches  # two V chunks' worth per device
-    if not layout.uses_slots(model, stages):
+    if vocab_parallel:
+        # The busiest device holds at least the mean of the layers (whole layers: ceil(L / pp) when
+        # they are alike), and every device its 1/pp of the head and the H passes' collectives.
+        layer = (costs.f + costs.b + costs.w) / costs_slots(model, layout.pp)  # one layer's F + B + W
+        layers = -(-model.layers // layout.pp) if len(set(model.layer_costs)) == 1 else model.layers / layout.pp
+        vocab = sum(head_seconds(model, layout, times)) / layout.pp + cost_model.vocab_collectives(model, layout)
+        work = (layers * layer + vocab) * layout.num_microbatches
+    elif not layout.uses_slots(model, stages):
         # Costed per stage: the busiest device does at least the mean work and at least the LM head
         # (which sits on one device whole; with a 128k vocabulary about 2.6 layers' worth).
         f, b, w = costs.f / costs_slots(model, layout.pp), costs.b / costs_slots(model, layout.pp), \
@@ -99,6 +115,9 @@ def _upper_bound(name: str, layout: ParallelLayout, model: GPTModel, cost_model:
             per_microbatch = max((model.layers * layer + head) / layout.pp, head)
         work = per_microbatch * layout.num_microbatches
     forward_per_device = costs.f * 2 * layout.pp / stages  # one F over the device's first stage
+    if vocab_parallel:  # the stages hold layers alone: at least the fewest whole layers a stage can get
+        forward_per_device = costs.f / costs_slots(model, layout.pp) * (model.layers // stages) \
+            if len(set(model.layer_costs)) == 1 and not model.segments else 0.0
     fill = (layout.pp - 1) * (forward_per_device + costs.comm)
     dp = cost_model.dp_exposed(model, layout, times, 2 * (costs.b + costs.w))  # at least what predict charges
     iteration = fill + work + dp + times.optimizer
@@ -134,19 +153,21 @@ def _runnable(name: str, layout: ParallelLayout, model: GPTModel) -> bool:
 
 
 def search(schedules: Sequence[str], model: GPTModel, cost_model: CostModel, gpus: int, global_batch: int,
-           grid: Grid = Grid(), flash_attention: bool = False) -> list[ScheduleSearch]:
+           grid: Grid = Grid(), flash_attention: bool = False, vocab_parallel: bool = False) -> list[ScheduleSearch]:
     for name in schedules:
         split_name(name)  # fail fast on a bad name, before any simulation
     candidates = list(layouts(model, gpus, global_batch, grid, cost_model.gpu.gpus_per_node))
-    return [_search_one(name, candidates, model, cost_model, flash_attention, grid.tolerance) for name in schedules]
+    return [_search_one(name, candidates, model, cost_model, flash_attention, grid.tolerance, vocab_parallel)
+            for name in schedules]
 
 
-def _search_one(name, candidates, model, cost_model, flash_attention, tolerance: float = 0.0) -> ScheduleSearch:
-    found = ScheduleSearch(name)
+def _search_one(name, candidates, model, cost_model, flash_attention, tolerance: float = 0.0,
+                vocab_parallel: bool = False) -> ScheduleSearch:
+    found = ScheduleSearch(name, vocab_parallel=vocab_parallel)
     viable = [c for c in candidates if _runnable(name, c, model)]
     fitting = [c for c in viable if _static_fits(c, model, cost_model)]
     found.skipped = len(viable) - len(fitting)
-    bounds = {c: _upper_bound(name, c, model, cost_model, flash_attention) for c in fitting}
+    bounds = {c: _upper_bound(name, c, model, cost_model, flash_attention, vocab_parallel) for c in fitting}
     ranked = sorted(fitting, key=lambda c: -bounds[c])
     out_of_memory: list[ParallelLayout] = []
     for index, layout in enumerate(ranked):
@@ -157,7 +178,7 @@ def _search_one(name, candidates, model, cost_model, flash_attention, tolerance:
             found.skipped += 1
             continue
         try:
-            prediction = predict(name, layout, model, cost_model, flash_attention)
+            prediction = predict(name, layout, model, cost_model, flash_attention, vocab_parallel=vocab_parallel)
         except ScheduleError:
             found.skipped += 1  # e.g. a generator that cannot meet its memory cap at this size
             continue

@@ -8,15 +8,19 @@ timed with the real ones. Large microbatch
 counts (the paper goes to 512 on 40 devices) are slow to generate, so beyond ``exact_limit``
 microbatches the makespan (and peak memory, which saturates except for GPipe) is extrapolated
 linearly from two simulated sizes in the steady state.
+
+Vocabulary passes (``costs.vocab``) go to the generator as they do in training (the registry places
+them after the layers' schedule), with their multipliers rounded to 0.02 for sharing, and are timed
+with the real ones.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
-from ..schedules.core.schedule import Costs, Schedule, StageWork
+from ..schedules.core.schedule import Costs, Schedule, StageWork, VocabWork
 from ..schedules.core.simulator import SimulationResult, simulate
 from ..schedules.generators.registry import get_schedule
 
@@ -75,11 +79,19 @@ def extrapolation_sizes(name: str, num_devices: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=1024)
 def _build(name: str, num_devices: int, num_microbatches: int, b: float, w: float, comm: float,
-           stages: tuple[StageWork, ...] = ()) -> Schedule:
+           stages: tuple[StageWork, ...] = (), vocab: VocabWork | None = None) -> Schedule:
     """Generate a schedule for coarsely rounded cost ratios: generation (greedy) is the slow part,
     and a schedule's order barely changes with a few percent of cost. ``stages`` (each stage's own
-    work) go to the generator as they do in training, which builds the run's schedule from them."""
-    return get_schedule(name, num_devices, num_microbatches, Costs(1.0, b, w, comm, stages))
+    work) and ``vocab`` (the vocabulary passes) go to the generator as they do in training, which
+    builds the run's schedule from them."""
+    return get_schedule(name, num_devices, num_microbatches, Costs(1.0, b, w, comm, stages, vocab))
+
+
+def _rounded(vocab: VocabWork | None) -> VocabWork | None:
+    """The vocabulary multipliers the order is generated with (0.02 apart)."""
+    if vocab is None:
+        return None
+    return replace(vocab, **{f.name: round(getattr(vocab, f.name) / 2, 2) * 2 for f in fields(vocab)})
 
 
 def _geometric(x: float, steps_per_octave: int = 4) -> float:
@@ -92,23 +104,26 @@ def _geometric(x: float, steps_per_octave: int = 4) -> float:
 @lru_cache(maxsize=4096)
 def _simulate_normalised(name: str, num_devices: int, num_microbatches: int, b: float, w: float,
                          comm: float, stages: tuple[StageWork, ...] = (), coarse: bool = False,
-                         staged_order: bool = False) -> SimulationResult:
+                         staged_order: bool = False, vocab: VocabWork | None = None) -> SimulationResult:
     order_stages = stages if staged_order else ()
+    order_vocab = _rounded(vocab)
     if coarse and name in REGULAR:  # a wide search (CP, EP, recomputation): one order per cost octave quarter
-        schedule = _build(name, num_devices, num_microbatches, _geometric(b), _geometric(w), _geometric(comm), order_stages)
+        schedule = _build(name, num_devices, num_microbatches, _geometric(b), _geometric(w), _geometric(comm), order_stages,
+                          order_vocab)
     elif coarse:
         schedule = _build(name, num_devices, num_microbatches, round(b / 2, 2) * 2, round(w / 2, 2) * 2,
-                          _geometric(comm, 8), order_stages)
+                          _geometric(comm, 8), order_stages, order_vocab)
     elif name in REGULAR:  # their order hardly depends on costs: share generation widely
-        schedule = _build(name, num_devices, num_microbatches, round(b, 1), round(w, 1), round(comm / 2, 2) * 2, order_stages)
+        schedule = _build(name, num_devices, num_microbatches, round(b, 1), round(w, 1), round(comm / 2, 2) * 2, order_stages,
+                          order_vocab)
     else:  # greedy decisions react to small cost changes (comm especially)
         schedule = _build(name, num_devices, num_microbatches, round(b / 2, 2) * 2, round(w / 2, 2) * 2,
-                          round(comm, 3), order_stages)
+                          round(comm, 3), order_stages, order_vocab)
     # timed with the real ratios (and per-stage work); generated as training generates it: for each stage's
     # own work under an uneven --pipeline-layout (``staged_order``), for the base costs under the uniform one.
     # (Generated for the base costs and timed with per-stage work, V-ZB at Llama-3 8B's PP 8 came out 7 %
     # shorter than the schedule training runs, and `vshape plan`'s two tables disagreed.)
-    return simulate(schedule, Costs(1.0, b, w, comm, stages))
+    return simulate(schedule, Costs(1.0, b, w, comm, stages, vocab))
 
 
 def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Costs, coarse: bool = False,
@@ -125,7 +140,7 @@ def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Cost
 
     def sim(m: int) -> SimulationResult:
         return _simulate_normalised(name, num_devices, m, round(costs.b / unit, 6), round(costs.w / unit, 6),
-                                    round(costs.comm / unit, 6), costs.stages, coarse, staged_order)
+                                    round(costs.comm / unit, 6), costs.stages, coarse, staged_order, costs.vocab)
 
     limit = exact_limit(name, num_devices)
     if num_microbatches <= limit:

@@ -1,0 +1,66 @@
+"""Vocabulary parallelism in the plan (``--pipeline-vocab-parallel``; Yeung et al., MLSys 2025): the work of
+the vocabulary passes, as the schedule core takes it (:class:`VocabWork`).
+
+With the flag the stages hold the transformer layers alone (:func:`.balance.stage_work` with
+``vocab_parallel``), so the uniform layout is even, and every pipeline device runs, per microbatch, one
+H pass (its 1/p of the output layer's forward and input gradient and of the loss, with the pipeline
+group's collectives) and one G pass (its 1/p of the output layer's weight gradient).
+
+Time. The head's F, B and W are the planner's own (:meth:`.balance.StageExtras.from_flops`: the logits
+GEMM, its input gradient and its weight gradient, in layers' worth, times one layer's F, B, W), the
+same work that sits on the last stage without the flag, so the two rows cost the same head and differ
+only in where it runs. The simulator times one shard's H as ``(F f + B b) / p + 2 comm``
+(:meth:`VocabWork.shard_times`): two message-sized collectives. The planner's collectives
+(:meth:`.costs.CostModel.vocab_collectives`: the hidden state's broadcast, its gradient's reduction,
+the statistics' gather, over the pipeline group's ring) can cost more than two of the simulator's
+messages: where the ring crosses the inter-node network and most neighbouring stages do not, and under
+Megatron's blocking p2p (:mod:`.exposed_p2p`), whose timed costs carry no message latency. The
+difference is added to ``f``, so that H lasts what the planner's collectives and compute take.
+
+Memory. ``VocabWork.memory`` is what one microbatch holds from H to G over the whole vocabulary (p
+shards' logit gradients and hidden-state copies: :func:`.memory.vocab_activation_bytes`), in units of one
+V chunk's F activation; the planner's byte count of the same (``ActivationModel.vocab_held``) is what its
+memory estimate uses.
+"""
+
+from __future__ import annotations
+
+from ..schedules.core.schedule import Costs, VocabWork
+from .balance import StageExtras
+from .costs import CostModel, PassTimes
+from .memory import shard_rows, vocab_activation_bytes
+from .model import GPTModel
+from .parallel_layout import ParallelLayout
+
+FLAG = "--pipeline-vocab-parallel"
+LABEL = "+vocab"  # a row with the flag: "v-zb +vocab"
+
+
+def head_seconds(model: GPTModel, layout: ParallelLayout, times: PassTimes) -> tuple[float, float, float]:
+    """(F, B, W) seconds of the output layer over the whole vocabulary for one microbatch, as the planner
+    costs the head on the last stage (layers' worth of FLOPs times one layer's pass), scaled to the
+    vocabulary the p shards cover: each shard does the busiest shard's rows (the runtime's split gives
+    the first ``rows % p`` shards one row more)."""
+    head = StageExtras.from_flops(model).head
+    rows = -(-model.padded_vocab // layout.tp)
+    covered = shard_rows(rows, layout.pp)[0] * layout.pp * layout.tp / model.padded_vocab
+    return tuple(x * t * covered for x, t in zip(head, (times.f, times.b, times.w)))
+
+
+def vocab_work(model: GPTModel, layout: ParallelLayout, cost_model: CostModel, times: PassTimes, costs: Costs,
+               flash_attention: bool = False) -> VocabWork:
+    """The vocabulary passes of ``layout`` relative to ``costs`` (the simulator's timed costs: one V
+    chunk's F, B, W and the message time ``comm`` it will charge H twice)."""
+    f, b, w = head_seconds(model, layout, times)
+    collectives = cost_model.vocab_collectives(model, layout)
+    beyond = max(0.0, collectives - 2 * costs.comm)  # what the simulator's 2 comm per H leaves out
+    f += layout.pp * beyond  # one shard's H carries 1/p of f
+    chunk = model.layers / (2 * layout.pp) * model.activation_bytes(layout.micro_batch, layout.token_split,
+                                                                    flash_attention)
+    held, _ = vocab_activation_bytes(model, layout)
+    return VocabWork(f / costs.f, b / costs.b, w / costs.w, layout.pp * held / chunk)
+
+
+def label(schedule: str, vocab_parallel: bool) -> str:
+    """The row's name: the schedule, ``+vocab`` where it runs with the flag."""
+    return f"{schedule} {LABEL}" if vocab_parallel else schedule
