@@ -1,4 +1,5 @@
-"""Step time of the balanced layer layout vs the uniform one, side by side on CPU ranks (gloo).
+"""Step time of the balanced layer layout and of vocabulary parallelism vs the uniform layout, side by side
+on CPU ranks (gloo).
 
     python scripts/bench_layout.py [--schedule v-half] [--pp 4] [--iters 10] [--json FILE]
 
@@ -9,7 +10,12 @@ layouts are built in one process group: the uniform split; ``balanced``, the one
 :func:`megatron_vshape.planner.balance.choose_layout`); and ``balanced-measured``, chosen the same
 way from per-stage pass times measured on the uniform layout first (``--calibration`` iterations:
 on CPU small layers are overhead-bound while the head is one large GEMM, so FLOPs misjudge it).
-Their iterations rotate (uniform, balanced, measured; balanced, measured, uniform; ...), so that
+A fourth row, ``vocab-parallel``, is the uniform layout with ``--pipeline-vocab-parallel`` (the
+embedding, LM head and loss sharded over the pipeline ranks, run as the schedule's H and G passes); its
+predicted ratio is the simulator's, with the per-layer costs and the head's cost measured in the
+calibration run: the head's work spread evenly over the ranks (its H rendezvous included) against
+the uniform layout with the head on its stage.
+Their iterations rotate (uniform, balanced, measured, vocab-parallel; balanced, ...), so that
 load from other processes hits all alike. Each iteration's wall and CPU time is the slowest
 rank's; the table reports medians after ``--warmup`` iterations, each layout / uniform both as the
 ratio of the medians and as the median of each step's pair (runs of a step are back to back).
@@ -30,7 +36,7 @@ from dataclasses import replace
 from megatron_vshape.testing import spawn
 from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
 
-FLOPS, MEASURED = "balanced", "balanced-measured"
+FLOPS, MEASURED, VOCAB = "balanced", "balanced-measured", "vocab-parallel"
 
 
 def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches, warmup, iters, calibration):
@@ -55,6 +61,8 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     counts = {"uniform": uniform, FLOPS: flops_choice.layers_per_stage, MEASURED: measured_choice.layers_per_stage}
     for name in (FLOPS, MEASURED):
         rows[name] = _build(schedule, model, world_size, pp_rank, counts[name])
+    counts[VOCAB] = uniform
+    rows[VOCAB] = _build(schedule, model, world_size, pp_rank, uniform, vocab=_flops_vocab_work(model, world_size))
     names = list(rows)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -67,7 +75,8 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
                 cpu[name].append(busy)
     parallel_state.destroy_model_parallel()
     predicted = {"uniform": 1.0, FLOPS: flops_choice.iteration_time / flops_choice.reference_time,
-                 MEASURED: measured_choice.iteration_time / measured_choice.reference_time}
+                 MEASURED: measured_choice.iteration_time / measured_choice.reference_time,
+                 VOCAB: _spread_ratio(model, schedule, world_size, microbatches, uniform, costs, extras)}
     return {"times": times, "cpu": cpu, "counts": counts, "predicted": predicted, "stage_times": stage_times,
             "extras": {"embedding": extras.embedding, "head": extras.head}}
 
@@ -114,8 +123,34 @@ def measured_costs(stage_times, counts, num_layers: int, pp: int):
     return costs, StageExtras(embedding=surplus(0), head=surplus(len(counts) - 1))
 
 
-def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False):
-    """(forward-backward function, DDP chunks) of ``schedule`` with ``counts`` layers per stage."""
+def _flops_vocab_work(model: ModelSettings, pp: int):
+    """The vocabulary passes' work as training costs them (the planner's FLOPs model per V chunk)."""
+    from megatron_vshape.planner.balance import StageExtras
+    from megatron_vshape.schedules.core.schedule import VocabWork
+
+    chunk = model.num_layers / (2 * pp)
+    return VocabWork(*(x / chunk for x in StageExtras.from_flops(_planner_model(model)).head))
+
+
+def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras) -> float:
+    """Simulated time with the measured head's work spread over the ranks (vocabulary passes) over the
+    uniform layout's with the head on its stage, both from the calibration run's costs."""
+    from megatron_vshape.megatron.pipeline_layout import layout_costs
+    from megatron_vshape.planner.balance import stage_work
+    from megatron_vshape.schedules.core.schedule import VocabWork
+    from megatron_vshape.schedules.core.simulator import simulate
+    from megatron_vshape.schedules.generators.registry import get_schedule
+
+    plain = layout_costs(costs, uniform, stage_work(_planner_model(model), uniform, extras=extras))
+    chunk = model.num_layers / (2 * pp)
+    spread = replace(costs, vocab=VocabWork(*(x / chunk for x in extras.head)))
+    return (simulate(get_schedule(schedule, pp, microbatches, spread), spread).makespan
+            / simulate(get_schedule(schedule, pp, microbatches, plain), plain).makespan)
+
+
+def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, vocab=None):
+    """(forward-backward function, DDP chunks) of ``schedule`` with ``counts`` layers per stage; ``vocab``:
+    the vocabulary passes' costs, to run them (``--pipeline-vocab-parallel``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -129,6 +164,8 @@ def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False):
     uneven = len(set(counts)) > 1
     # As training builds it: per-stage work (LM head included) only for an uneven layout.
     costs = layout_costs(Costs(), counts, stage_work(planner, counts)) if uneven else Costs()
+    if vocab is not None:
+        costs = replace(costs, vocab=vocab)
     func = build_forward_backward_func(schedule, costs=costs, record_timeline=record_timeline)
     placement = func.schedule(world_size, 8).placement
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
@@ -137,6 +174,10 @@ def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False):
     config.finalize_model_grads_func = finalize_model_grads
     chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
         config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
+    if vocab is not None:
+        from megatron_vshape.megatron.vocab_layers import install_vocab_parallel
+
+        install_vocab_parallel(chunks, placement)
     return func, [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
 
 

@@ -54,6 +54,25 @@ def other_core_python() -> str:
     return require_interpreter(other_minor())
 
 
+MEGATRON_LM_ENV = "MEGATRON_LM_DIR"
+MEGATRON_LM_019 = Path(__file__).resolve().parents[1].parent / "shared" / "clients" / "megatron-lm-core_v0.19.0"
+MEGATRON_LM_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_019() -> Path:
+    """The Megatron-LM checkout (tag core_v0.19.0) the scripts run from: ``../shared/clients`` next to this
+    project, or ``$MEGATRON_LM_DIR``. Never edited. Its absence fails under CI and skips elsewhere."""
+    path = Path(os.environ.get(MEGATRON_LM_ENV) or MEGATRON_LM_019)
+    if not all((path / name).is_file() for name in MEGATRON_LM_FILES):
+        message = (f"no Megatron-LM checkout at {path} (needs {', '.join(MEGATRON_LM_FILES)}); "
+                   f"set {MEGATRON_LM_ENV}=/path/to/Megatron-LM (tag core_v0.19.0) to run these tests")
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI: " + message)
+        pytest.skip(message)
+    return path
+
+
 @pytest.fixture(scope="session")
 def megatron_main(tmp_path_factory) -> Path:
     """A writable copy of the Megatron-LM main checkout (0.20.0 at d98e8a64), made once per test process."""

@@ -37,6 +37,7 @@ from .flags import (
 )
 from .sizes import Check, Sizes
 from .startup_schedule import schedule_for_run
+from .vocab_checks import vocab_parallel_problem
 
 
 def check_known_schedule(args, sizes) -> str | None:
@@ -236,6 +237,13 @@ def check_save_writable(args, sizes) -> str | None:
 _TRAINING_FLAG_NAMES = (("--memory-limit", "--pipeline-memory-limit"), ("--costs", "--pipeline-costs"))
 
 
+def check_vocab_parallel(args, sizes) -> str | None:
+    """``--pipeline-vocab-parallel``: what it cannot run with (vocab_checks.py)."""
+    if not getattr(args, "pipeline_vocab_parallel", False):
+        return None
+    return vocab_parallel_problem(args)
+
+
 def check_schedule_builds(args, sizes) -> str | None:
     """Build (and validate) the schedule for the run's PP and microbatch count, as iteration 1 will.
 
@@ -273,7 +281,7 @@ CHECKS: tuple[Check, ...] = (
     check_pipeline_size, check_world_size, check_memory_limit, check_pipeline_layout, check_v_layers,
     check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
     check_cpu_features, check_context_parallel, check_split_conflicts, check_te_split, check_pipeline_costs,
-    check_watchdog, check_save_writable,
+    check_watchdog, check_save_writable, check_vocab_parallel,
 )
 # Run only when CHECKS found nothing: building the schedule can take seconds at large sizes.
 FINAL_CHECKS: tuple[Check, ...] = (check_layout_resolves, check_schedule_builds)

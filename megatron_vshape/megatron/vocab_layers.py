@@ -24,7 +24,8 @@ shard. This module is the Megatron side, for the executor and the start-up code:
   without the flag uses (``embedding.word_embeddings.weight``, untied ``output_layer.weight``), global
   shape [V, hidden], at this rank's row offset, so torch_dist checkpoints move between runs with and
   without the flag at any TP/PP the loader supports (the shards must be equal: :func:`check_vocab_sizes`).
-* :func:`check_vocab_parallel`: the flag combinations this cannot run, as one-line :class:`ConfigError`\\ s.
+* The flag combinations this cannot run are refused at start-up, before any rank computes
+  (:mod:`.vocab_checks`, pure Python).
 
 One iteration, as the executor runs it (per microbatch; "every rank" is every TP x PP rank of a replica;
 the vocabulary's groups are ``layers.groups`` = (TP group, pipeline group)):
@@ -52,7 +53,6 @@ The tasks carry ``.weight``, as the split linears' W tasks do, so the weight-gra
 from __future__ import annotations
 
 import inspect
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,121 +61,13 @@ import torch
 
 from ..runtime import vocab_parallel as vp
 from ..runtime.placement import PipelineRankView, _unwrap, chunk_specs
+from ..runtime.vocab_iteration import LAYERS_NAME  # the submodule of a rank's first chunk the executor reads
 from ..schedules.core.schedule import Placement
-from . import hybrid_pattern
 from .flags import V_SCHEDULE_NAMES, ConfigError
+from .vocab_checks import FLAG, check_vocab_sizes
 
-FLAG = "--pipeline-vocab-parallel"
-LAYERS_NAME = "vocab_parallel"  # the submodule of a rank's first chunk
 EMBEDDING_KEY = "embedding.word_embeddings.weight"  # the checkpoint keys of a run without the flag
 OUTPUT_KEY = "output_layer.weight"
-MIN_CORE_VERSION = (0, 19)
-
-
-# --- sizes and flags ----------------------------------------------------------------------------------
-
-
-def check_vocab_sizes(padded_vocab: int, tp: int, pp: int, divisible_by: int | None = None) -> None:
-    """Refuse a padded vocabulary that does not split into ``tp * pp`` equal shards.
-
-    Megatron pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by`` x TP, so a value that
-    is a multiple of PP always splits. ``divisible_by``: the value in force, for the suggestion.
-    """
-    parts = tp * pp
-    if padded_vocab % parts == 0:
-        return
-    suggestion = math.lcm(divisible_by or 128, pp)
-    raise ConfigError(
-        f"{FLAG}: the padded vocabulary ({padded_vocab} rows) does not split into {parts} equal shards "
-        f"(TP {tp} x PP {pp}), which checkpoints need; set --make-vocab-size-divisible-by to a multiple of "
-        f"{pp}, e.g. {suggestion} (Megatron pads to a multiple of it x TP)")
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padded vocabulary size (``_vocab_size_with_padding``)."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
-def _version_tuple(text: str) -> tuple[int, ...] | None:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            return None
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def _refusals(args, core_version: str):
-    """One line per thing this cannot run (the first is raised)."""
-    version = _version_tuple(core_version)
-    if version is not None and version < MIN_CORE_VERSION:
-        yield (f"{FLAG} needs megatron-core 0.19.2 or Megatron-LM main; {version[0]}.{version[1]}.x is not supported; "
-               f"upgrade megatron-core or drop {FLAG}")
-    if getattr(args, "pipeline_schedule", None) is None:  # 1f1b and interleaved-1f1b run in ours under the flag
-        yield (f"{FLAG}: the vocabulary passes run in megatron-vshape's executor, not in Megatron's default "
-               "schedule; choose a --pipeline-schedule (e.g. 1f1b or v-half)")
-    ckpt_format = getattr(args, "ckpt_format", "torch_dist")
-    if ckpt_format not in (None, "torch_dist"):
-        yield (f"{FLAG}: checkpoints are written in the torch_dist layout (megatron.core.dist_checkpointing), "
-               f"not --ckpt-format {ckpt_format}; use --ckpt-format torch_dist")
-    if getattr(args, "mtp_num_layers", None):
-        yield (f"{FLAG}: multi-token prediction (--mtp-num-layers) keeps an embedding and an output layer on its "
-               "stage; drop --mtp-num-layers")
-    if hybrid_pattern.is_hybrid(args):
-        yield f"{FLAG}: only GPTModel is checked (pretrain_gpt.py); HybridModel is not supported yet; drop {FLAG}"
-    if (getattr(args, "context_parallel_size", None) or 1) > 1:
-        yield (f"{FLAG}: context parallelism is not checked with the vocabulary passes yet; drop "
-               "--context-parallel-size (or set it to 1)")
-    for dest, flag, why in _CONFLICTS:
-        if getattr(args, dest, None):
-            yield f"{FLAG}: {flag} {why}; drop {flag}"
-    shards = max(getattr(args, "gtp_weight_remat_size", None) or 1,
-                 getattr(args, "tensor_parallel_num_weight_shards", None) or 1)
-    if shards > 1:
-        yield (f"{FLAG}: --tensor-parallel-num-weight-shards shards Megatron's embedding weight itself; drop it "
-               "(or set it to 1)")
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    divisible_by = getattr(args, "make_vocab_size_divisible_by", None) or 128
-    padded = getattr(args, "padded_vocab_size", None)
-    if padded is None and getattr(args, "vocab_size", None):
-        padded = padded_vocab_size(args.vocab_size, divisible_by, tp)
-    if padded is not None:
-        try:
-            check_vocab_sizes(padded, tp, pp, divisible_by)
-        except ConfigError as err:
-            yield str(err)
-
-
-# (dest, flag, why it cannot run): features that use Megatron's output layer or embedding weight.
-_CONFLICTS = (
-    ("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute",
-     "defers the weight gradient of Megatron's output layer, which the vocabulary shards replace"),
-    ("use_mup", "--use-mup", "scales the logits of Megatron's output layer, which the vocabulary passes do not"),
-    ("logit_dtype", "--output-logit-dtype", "sets the dtype of Megatron's output-layer GEMM, which the "
-     "vocabulary passes replace (they compute in the weights' dtype, the loss in fp32)"),
-    ("use_megatron_fsdp", "--use-megatron-fsdp", "shards the parameters itself"),
-    ("use_torch_fsdp2", "--use-torch-fsdp2", "shards the parameters itself"),
-    ("init_model_with_meta_device", "--init-model-with-meta-device",
-     "leaves the weights whose rows the shards start from uninitialised"),
-    ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
-     "runs Megatron's combined schedule plan, which computes the loss in the model chunk"),
-    ("logits_save_dir", "--logits-save-dir", "hooks Megatron's output layer"),
-    ("logits_load_dir", "--logits-load-dir", "hooks Megatron's output layer"),
-)
-
-
-def check_vocab_parallel(args, core_version: str | None = None) -> None:
-    """Raise :class:`ConfigError` (one line naming the flag and the fix) for what ``--pipeline-vocab-parallel``
-    cannot run; ``core_version``: megatron-core's version (default: the imported one's)."""
-    if core_version is None:
-        from ..runtime.compat import megatron_core_version
-
-        core_version = megatron_core_version()
-    for problem in _refusals(args, core_version):
-        raise ConfigError(problem)
 
 
 # --- the hooks in the stripped chunks ------------------------------------------------------------------
@@ -447,6 +339,10 @@ def add_built_chunk(builder, model) -> None:
     """``ChunkBuilder.build``'s hook: once the rank's last chunk is built, :func:`install_vocab_parallel`."""
     from megatron.core import parallel_state
 
+    from ..runtime.compat import megatron_core_version
+    from .vocab_checks import check_vocab_parallel
+
+    check_vocab_parallel(builder.args, megatron_core_version())  # the version, where the start-up could not read it
     built = _BUILT.setdefault(builder, [])
     built.append(model)
     placement = placement_for(builder.args, parallel_state.get_pipeline_model_parallel_world_size())

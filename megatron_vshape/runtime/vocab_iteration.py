@@ -197,7 +197,9 @@ class VocabPasses:
         b, s = self.micro_batch_size, self.seq_length
         holder = self.rank == self.last_rank
         if holder:
-            hidden_in = hidden.detach().contiguous()
+            # Megatron's Float16Module hands a last stage's output back in fp32 under --bf16: every rank
+            # receives the pipeline dtype, and the gradient goes back in the output's own dtype.
+            hidden_in = hidden.detach().to(self.dtype).contiguous()
             labels = self.labels.pop(microbatch).to(torch.long).contiguous()
         else:
             hidden_in = torch.empty((s, b, self.layers.hidden_size), dtype=self.dtype, device=self._device())
@@ -215,7 +217,7 @@ class VocabPasses:
         grad_loss = self._broadcast(grad_loss.to(torch.float32).contiguous(), self.last_rank)
         grad_hidden, task = self.layers.output_backward(out, grad_loss)
         self.weight_tasks[microbatch] = task
-        return grad_hidden.to(self.dtype) if holder else None
+        return grad_hidden.to(hidden.dtype) if holder else None
 
     def run_g(self, microbatch: int) -> None:
         if not self.forward_only:

@@ -23,7 +23,6 @@ gives the losses of 0.19.2's; the default tier's run on main is test_pretrain_cp
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -43,8 +42,6 @@ from megatron_vshape.schedules.generators.registry import schedule_names
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 
-CLIENT_ENV = "MEGATRON_LM_DIR"
-DEFAULT_CLIENT = ROOT.parent / "shared" / "clients" / "megatron-lm-core_v0.19.0"
 CLIENT_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
 PATCH = ROOT / "patches" / "megatron-lm-pretrain_gpt.patch"
 
@@ -61,16 +58,9 @@ RUN_TIMEOUT = 240
 
 
 @pytest.fixture(scope="module")
-def client_dir() -> Path:
-    """The Megatron-LM checkout to test against; its absence fails under CI and skips elsewhere."""
-    path = Path(os.environ.get(CLIENT_ENV) or DEFAULT_CLIENT)
-    if not all((path / name).is_file() for name in CLIENT_FILES):
-        message = (f"no Megatron-LM checkout at {path} (needs {', '.join(CLIENT_FILES)}); "
-                   f"set {CLIENT_ENV}=/path/to/Megatron-LM (tag core_v0.19.0) to run these tests")
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI: " + message)
-        pytest.skip(message)
-    return path
+def client_dir(megatron_lm_019) -> Path:
+    """The Megatron-LM checkout to test against (conftest.py)."""
+    return megatron_lm_019
 
 
 def train(python: str, entry: list[str], schedule: str, cwd: Path = ROOT, launcher=launch_ranks,

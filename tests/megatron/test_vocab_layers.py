@@ -679,7 +679,7 @@ def _args(**overrides) -> argparse.Namespace:
 
 
 def _refusal(args, core_version: str = "0.19.2") -> str:
-    from megatron_vshape.megatron.vocab_layers import check_vocab_parallel
+    from megatron_vshape.megatron.vocab_checks import check_vocab_parallel
 
     with pytest.raises(ConfigError) as err:
         check_vocab_parallel(args, core_version=core_version)
@@ -689,7 +689,7 @@ def _refusal(args, core_version: str = "0.19.2") -> str:
 
 
 def test_vocab_sizes_must_split_into_equal_shards():
-    from megatron_vshape.megatron.vocab_layers import check_vocab_sizes, padded_vocab_size
+    from megatron_vshape.megatron.vocab_checks import check_vocab_sizes, padded_vocab_size
 
     check_vocab_sizes(64, 2, 4)
     check_vocab_sizes(padded_vocab_size(50257, 128, 8), 8, 4)  # 128 is a multiple of PP 4
@@ -704,7 +704,7 @@ def test_vocab_sizes_must_split_into_equal_shards():
 
 
 def test_check_vocab_parallel_accepts_what_it_supports():
-    from megatron_vshape.megatron.vocab_layers import check_vocab_parallel
+    from megatron_vshape.megatron.vocab_checks import check_vocab_parallel
 
     check_vocab_parallel(_args(), core_version="0.19.2")
     check_vocab_parallel(_args())  # the installed megatron-core
