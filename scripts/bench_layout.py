@@ -62,7 +62,9 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     for name in (FLOPS, MEASURED):
         rows[name] = _build(schedule, model, world_size, pp_rank, counts[name])
     counts[VOCAB] = uniform
-    rows[VOCAB] = _build(schedule, model, world_size, pp_rank, uniform, vocab=_flops_vocab_work(model, world_size))
+    # Built, like the measured layout, from the calibration run's costs: the schedule the prediction simulates.
+    rows[VOCAB] = _build(schedule, model, world_size, pp_rank, uniform, record_timeline=True,
+                         vocab_costs=_spread_costs(model, world_size, costs, extras))
     names = list(rows)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -73,11 +75,14 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
             if step >= warmup:
                 times[name].append(wall)
                 cpu[name].append(busy)
+    vocab_passes = _pass_means(rows[VOCAB][0].last_timeline)
     parallel_state.destroy_model_parallel()
     predicted = {"uniform": 1.0, FLOPS: flops_choice.iteration_time / flops_choice.reference_time,
                  MEASURED: measured_choice.iteration_time / measured_choice.reference_time,
                  VOCAB: _spread_ratio(model, schedule, world_size, microbatches, uniform, costs, extras)}
     return {"times": times, "cpu": cpu, "counts": counts, "predicted": predicted, "stage_times": stage_times,
+            "vocab_passes": vocab_passes,
+            "vocab_predicted": _spread_pass_times(model, schedule, world_size, costs, extras),
             "extras": {"embedding": extras.embedding, "head": extras.head}}
 
 
@@ -123,13 +128,37 @@ def measured_costs(stage_times, counts, num_layers: int, pp: int):
     return costs, StageExtras(embedding=surplus(0), head=surplus(len(counts) - 1))
 
 
-def _flops_vocab_work(model: ModelSettings, pp: int):
-    """The vocabulary passes' work as training costs them (the planner's FLOPs model per V chunk)."""
-    from megatron_vshape.planner.balance import StageExtras
+def _pass_means(timeline) -> dict[str, float]:
+    """Mean seconds of each kind of pass (F, B, W, H, G) of one call, over all ranks."""
+    import torch
+
+    kinds = "FBWHG"
+    sums = torch.zeros(2, len(kinds), dtype=torch.float64)
+    for action, start, end in timeline:
+        sums[0, kinds.index(action.kind.value)] += end - start
+        sums[1, kinds.index(action.kind.value)] += 1
+    torch.distributed.all_reduce(sums)
+    return {kind: (sums[0, i] / sums[1, i]).item() for i, kind in enumerate(kinds) if sums[1, i] > 0}
+
+
+def _spread_pass_times(model, schedule, pp, costs, extras) -> dict[str, float]:
+    """The simulator's seconds per pass of the vocabulary-parallel row (F, B, W of a V chunk's layers x the
+    placement's layer scale; H and G of one shard), from the calibration run's costs."""
+    from megatron_vshape.schedules.core.schedule import vocab_pass_times
+    from megatron_vshape.schedules.generators.registry import SCHEDULES
+
+    spread = _spread_costs(model, pp, costs, extras)
+    scale = 2.0 / SCHEDULES[schedule].chunks_per_device()
+    h, g = vocab_pass_times(spread, pp)
+    return {"F": costs.f * scale, "B": costs.b * scale, "W": costs.w * scale, "H": h, "G": g}
+
+
+def _spread_costs(model: ModelSettings, pp: int, costs, extras):
+    """The calibration run's costs with the measured head's work as vocabulary passes (per V chunk)."""
     from megatron_vshape.schedules.core.schedule import VocabWork
 
     chunk = model.num_layers / (2 * pp)
-    return VocabWork(*(x / chunk for x in StageExtras.from_flops(_planner_model(model)).head))
+    return replace(costs, vocab=VocabWork(*(x / chunk for x in extras.head)))
 
 
 def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras) -> float:
@@ -137,20 +166,18 @@ def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras) -> 
     uniform layout's with the head on its stage, both from the calibration run's costs."""
     from megatron_vshape.megatron.pipeline_layout import layout_costs
     from megatron_vshape.planner.balance import stage_work
-    from megatron_vshape.schedules.core.schedule import VocabWork
     from megatron_vshape.schedules.core.simulator import simulate
     from megatron_vshape.schedules.generators.registry import get_schedule
 
     plain = layout_costs(costs, uniform, stage_work(_planner_model(model), uniform, extras=extras))
-    chunk = model.num_layers / (2 * pp)
-    spread = replace(costs, vocab=VocabWork(*(x / chunk for x in extras.head)))
+    spread = _spread_costs(model, pp, costs, extras)
     return (simulate(get_schedule(schedule, pp, microbatches, spread), spread).makespan
             / simulate(get_schedule(schedule, pp, microbatches, plain), plain).makespan)
 
 
-def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, vocab=None):
-    """(forward-backward function, DDP chunks) of ``schedule`` with ``counts`` layers per stage; ``vocab``:
-    the vocabulary passes' costs, to run them (``--pipeline-vocab-parallel``)."""
+def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, vocab_costs=None):
+    """(forward-backward function, DDP chunks) of ``schedule`` with ``counts`` layers per stage; ``vocab_costs``:
+    the costs (with the vocabulary passes') to build the schedule from, to run ``--pipeline-vocab-parallel``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -164,8 +191,8 @@ def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, 
     uneven = len(set(counts)) > 1
     # As training builds it: per-stage work (LM head included) only for an uneven layout.
     costs = layout_costs(Costs(), counts, stage_work(planner, counts)) if uneven else Costs()
-    if vocab is not None:
-        costs = replace(costs, vocab=vocab)
+    if vocab_costs is not None:
+        costs = vocab_costs
     func = build_forward_backward_func(schedule, costs=costs, record_timeline=record_timeline)
     placement = func.schedule(world_size, 8).placement
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
@@ -174,7 +201,7 @@ def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, 
     config.finalize_model_grads_func = finalize_model_grads
     chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
         config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
-    if vocab is not None:
+    if vocab_costs is not None:
         from megatron_vshape.megatron.vocab_layers import install_vocab_parallel
 
         install_vocab_parallel(chunks, placement)
@@ -276,7 +303,10 @@ def _report(args, result) -> dict:
         print(f"  {name:18s} {layers:24s} {median[name] * 1e3:10.1f}  {median[name] / median['uniform']:9.3f}  "
               f"{paired[name]:7.3f}  {cpu[name] * 1e3:14.1f}  {cpu[name] / cpu['uniform']:9.3f}  "
               f"{predicted[name]:9.3f}")
-    return {"config": vars(args), "layouts": {k: list(v) for k, v in counts.items()}, "times_s": times,
+    measured, want = result["vocab_passes"], result["vocab_predicted"]
+    print("  vocab-parallel row, mean ms per pass measured (simulated): "
+          + ", ".join(f"{k} {measured[k] * 1e3:.1f} ({want[k] * 1e3:.1f})" for k in "FBWHG" if k in measured))
+    return {"config": vars(args), "vocab_pass_s": measured, "vocab_pass_predicted_s": want, "layouts": {k: list(v) for k, v in counts.items()}, "times_s": times,
             "median_s": median, "cpu_s": result["cpu"], "median_cpu_s": cpu, "paired_ratio": paired, "predicted_ratio": predicted, "extras": extras,
             "stage_times_s": result["stage_times"]}
 
