@@ -62,9 +62,11 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     for name in (FLOPS, MEASURED):
         rows[name] = _build(schedule, model, world_size, pp_rank, counts[name])
     counts[VOCAB] = uniform
-    # Built, like the measured layout, from the calibration run's costs: the schedule the prediction simulates.
-    rows[VOCAB] = _build(schedule, model, world_size, pp_rank, uniform, record_timeline=True,
-                         vocab_costs=_spread_costs(model, world_size, costs, extras))
+    # Built, like the measured layout, from the calibration run's costs (its vocabulary passes timed on their
+    # own, every rank in step): the schedule the prediction simulates.
+    vocab_times = _vocab_pass_seconds(model, data, calibration)
+    spread = _spread_costs(world_size, costs, vocab_times)
+    rows[VOCAB] = _build(schedule, model, world_size, pp_rank, uniform, record_timeline=True, vocab_costs=spread)
     names = list(rows)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -79,10 +81,10 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     parallel_state.destroy_model_parallel()
     predicted = {"uniform": 1.0, FLOPS: flops_choice.iteration_time / flops_choice.reference_time,
                  MEASURED: measured_choice.iteration_time / measured_choice.reference_time,
-                 VOCAB: _spread_ratio(model, schedule, world_size, microbatches, uniform, costs, extras)}
+                 VOCAB: _spread_ratio(model, schedule, world_size, microbatches, uniform, costs, extras, spread)}
     return {"times": times, "cpu": cpu, "counts": counts, "predicted": predicted, "stage_times": stage_times,
             "vocab_passes": vocab_passes,
-            "vocab_predicted": _spread_pass_times(model, schedule, world_size, costs, extras),
+            "vocab_predicted": _spread_pass_times(schedule, world_size, spread),
             "extras": {"embedding": extras.embedding, "head": extras.head}}
 
 
@@ -141,27 +143,61 @@ def _pass_means(timeline) -> dict[str, float]:
     return {kind: (sums[0, i] / sums[1, i]).item() for i, kind in enumerate(kinds) if sums[1, i] > 0}
 
 
-def _spread_pass_times(model, schedule, pp, costs, extras) -> dict[str, float]:
+def _spread_pass_times(schedule, pp, spread) -> dict[str, float]:
     """The simulator's seconds per pass of the vocabulary-parallel row (F, B, W of a V chunk's layers x the
     placement's layer scale; H and G of one shard), from the calibration run's costs."""
     from megatron_vshape.schedules.core.schedule import vocab_pass_times
     from megatron_vshape.schedules.generators.registry import SCHEDULES
 
-    spread = _spread_costs(model, pp, costs, extras)
     scale = 2.0 / SCHEDULES[schedule].chunks_per_device()
     h, g = vocab_pass_times(spread, pp)
-    return {"F": costs.f * scale, "B": costs.b * scale, "W": costs.w * scale, "H": h, "G": g}
+    return {"F": spread.f * scale, "B": spread.b * scale, "W": spread.w * scale, "H": h, "G": g}
 
 
-def _spread_costs(model: ModelSettings, pp: int, costs, extras):
-    """The calibration run's costs with the measured head's work as vocabulary passes (per V chunk)."""
+def _vocab_pass_seconds(model: ModelSettings, data, iterations: int) -> tuple[float, float]:
+    """(H, G) seconds of one shard's vocabulary passes, timed on their own with every rank in step (their
+    collectives included, no pipeline around them): the mean over ``iterations`` x microbatches after one
+    warm-up round, max over ranks."""
+    import time
+
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_vshape.megatron.vocab_layers import VocabShardLayers
+
+    layers = VocabShardLayers(model.vocab_size, model.hidden_size, tied=model.tied_embeddings,
+                              tp_group=parallel_state.get_tensor_model_parallel_group(),
+                              pp_group=parallel_state.get_pipeline_model_parallel_group())
+    torch.nn.init.normal_(layers.output_weight, std=0.02)
+    hidden = torch.randn(model.seq_length, model.micro_batch_size, model.hidden_size)
+    h = g = 0.0
+    count = 0
+    for round_ in range(iterations + 1):  # round 0 warms up (first touch of the buffers)
+        if round_ == 1:
+            h = g = 0.0
+            count = 0
+        for batch in data:
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            out = layers.output_forward(hidden, batch["labels"])
+            _, task = layers.output_backward(out, torch.ones_like(out.loss))
+            middle = time.perf_counter()
+            task()
+            h, g, count = h + middle - start, g + time.perf_counter() - middle, count + 1
+    times = torch.tensor([h / count, g / count], dtype=torch.float64)
+    torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
+    return times[0].item(), times[1].item()
+
+
+def _spread_costs(pp: int, costs, vocab_seconds: tuple[float, float]):
+    """The calibration run's costs with the vocabulary passes' measured seconds (per shard) as their work."""
     from megatron_vshape.schedules.core.schedule import VocabWork
 
-    chunk = model.num_layers / (2 * pp)
-    return replace(costs, vocab=VocabWork(*(x / chunk for x in extras.head)))
+    h, g = vocab_seconds
+    return replace(costs, vocab=VocabWork(f=pp * h / costs.f, b=0.0, w=pp * g / costs.w))
 
 
-def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras) -> float:
+def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras, spread) -> float:
     """Simulated time with the measured head's work spread over the ranks (vocabulary passes) over the
     uniform layout's with the head on its stage, both from the calibration run's costs."""
     from megatron_vshape.megatron.pipeline_layout import layout_costs
@@ -170,7 +206,6 @@ def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras) -> 
     from megatron_vshape.schedules.generators.registry import get_schedule
 
     plain = layout_costs(costs, uniform, stage_work(_planner_model(model), uniform, extras=extras))
-    spread = _spread_costs(model, pp, costs, extras)
     return (simulate(get_schedule(schedule, pp, microbatches, spread), spread).makespan
             / simulate(get_schedule(schedule, pp, microbatches, plain), plain).makespan)
 
