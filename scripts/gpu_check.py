@@ -67,6 +67,9 @@ TE_LOSS_RUNS = (
     ("cp2 v-half vs 1f1b pp2", 4, "--context-parallel-size 2", "v-half", 2e-3),
     ("tp-comm-overlap v-zb vs 1f1b pp2 tp2", 4,
      "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap", "v-zb", 2e-3),
+    # The flag on the compared run only: Megatron's 1F1B without it is the reference (NCCL collectives of
+    # the vocabulary passes on one in-order queue, bf16).
+    ("vocab-parallel v-half vs 1f1b pp2", 2, "", "v-half", 2e-3, "--pipeline-vocab-parallel"),
 )
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 
@@ -188,14 +191,16 @@ def verify_step(python: str, schedule: str, pp: int, spec: str, timeout: float, 
 
 
 def loss_step(python: str, run: tuple, timeout: float) -> Step:
-    """One TE run (``run`` from TE_LOSS_RUNS) against Megatron's 1F1B on the same flags and GPUs."""
-    name, gpus, extra, schedule, rtol = run
-    def launch(sched: str, port: int) -> list[str]:
+    """One TE run (``run`` from TE_LOSS_RUNS) against Megatron's 1F1B on the same flags and GPUs (a sixth
+    field: flags of the compared run only)."""
+    name, gpus, extra, schedule, rtol, *compared_only = run
+    def launch(sched: str, port: int, *more: str) -> list[str]:
         return [python, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-port", str(port),
-                str(ROOT / "scripts" / "pretrain_gpt.py"), *LOSS_MODEL.split(), *extra.split(), "--pipeline-schedule", sched]
+                str(ROOT / "scripts" / "pretrain_gpt.py"), *LOSS_MODEL.split(), *extra.split(), "--pipeline-schedule", sched,
+                *more]
 
     argv = [python, str(ROOT / "scripts" / "gpu_check.py"), "--compare-losses", "--rtol", str(rtol), "--",
-            *launch("1f1b", 29521), "--versus", *launch(schedule, 29523)]
+            *launch("1f1b", 29521), "--versus", *launch(schedule, 29523, *" ".join(compared_only).split())]
     return Step(f"losses {name}", "losses", argv, timeout, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "multi")
 
 

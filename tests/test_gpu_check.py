@@ -239,9 +239,9 @@ def _loss_commands(gpus: int) -> dict[str, tuple[list[str], list[str]]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("gpus, names", [
     (1, set()),
-    (2, {"te fp8 v-half vs 1f1b pp2", "te fp8 v-zb vs 1f1b pp2"}),
+    (2, {"te fp8 v-half vs 1f1b pp2", "te fp8 v-zb vs 1f1b pp2", "vocab-parallel v-half vs 1f1b pp2"}),
     (4, {"te fp8 v-half vs 1f1b pp2", "te fp8 v-zb vs 1f1b pp2", "cp2 v-half vs 1f1b pp2",
-         "tp-comm-overlap v-zb vs 1f1b pp2 tp2"}),
+         "tp-comm-overlap v-zb vs 1f1b pp2 tp2", "vocab-parallel v-half vs 1f1b pp2"}),
 ])
 def test_dry_run_lists_the_te_fp8_cp_and_tp_overlap_runs_against_1f1b(gpus, names):
     runs = _loss_commands(gpus)
@@ -249,9 +249,12 @@ def test_dry_run_lists_the_te_fp8_cp_and_tp_overlap_runs_against_1f1b(gpus, name
     for name, (reference, schedule_run) in runs.items():
         assert value(reference, "--pipeline-schedule") == "1f1b"
         assert value(schedule_run, "--pipeline-schedule") == name.split(" vs ")[0].split()[-1]
+        assert "--pipeline-vocab-parallel" not in reference  # Megatron's own 1F1B is the reference
+        only = ("--pipeline-vocab-parallel",) if name.startswith("vocab-parallel") else ()
         strip = [a for a in reference if a not in ("1f1b", "29521")]
-        assert strip == [a for a in schedule_run if a not in (name.split(" vs ")[0].split()[-1], "29523")], \
-            "the two runs differ in the schedule (and port) only"
+        assert strip == [a for a in schedule_run if a not in (name.split(" vs ")[0].split()[-1], "29523", *only)], \
+            "the two runs differ in the schedule (and port, and the vocabulary flag) only"
+        assert all(flag in schedule_run for flag in only)
         assert value(reference, "--nproc-per-node") == str(gpus if "cp2" in name or "tp2" in name else 2)
     if gpus >= 4:
         assert "--fp8-format" in runs["te fp8 v-zb vs 1f1b pp2"][1]
