@@ -178,7 +178,7 @@ def test_bench_layout_reads_the_head_cost_off_a_uniform_run():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_bench_layout_runs_three_layouts_side_by_side(tmp_path):
+def test_bench_layout_runs_three_layouts_and_vocabulary_parallelism_side_by_side(tmp_path):
     import json
 
     out = tmp_path / "bench.json"
@@ -187,10 +187,13 @@ def test_bench_layout_runs_three_layouts_side_by_side(tmp_path):
                        "--seq", "16", "--microbatches", "4", "--iters", "2", "--warmup", "0", "--calibration", "1",
                        "--timeout", "280", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["times_s"]) == {"uniform", "balanced", "balanced-measured"}
+    assert set(report["times_s"]) == {"uniform", "balanced", "balanced-measured", "vocab-parallel"}
     assert all(len(t) == 2 for t in report["times_s"].values())
     assert report["layouts"]["uniform"] == [1, 1, 1, 1] and sum(report["layouts"]["balanced"]) == 4
     assert report["predicted_ratio"]["balanced"] < 1.0  # the head is 5 layers' worth by FLOPs
+    assert report["layouts"]["vocab-parallel"] == [1, 1, 1, 1]
+    assert set(report["vocab_pass_s"]) == {"F", "B", "W", "H", "G"}  # the vocabulary passes ran
+    assert 0.0 < report["predicted_ratio"]["vocab-parallel"] < 1.5
 
 
 @pytest.mark.slow
