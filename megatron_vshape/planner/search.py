@@ -164,7 +164,7 @@ def search(schedules: Sequence[str], model: GPTModel, cost_model: CostModel, gpu
 def _search_one(name, candidates, model, cost_model, flash_attention, tolerance: float = 0.0,
                 vocab_parallel: bool = False) -> ScheduleSearch:
     found = ScheduleSearch(name, vocab_parallel=vocab_parallel)
-    viable = [c for c in candidates if _runnable(name, c, model)]
+    viable = [c for c in candidates if _runnable(name, c, model) and (not vocab_parallel or _vocab_runs(c, model))]
     fitting = [c for c in viable if _static_fits(c, model, cost_model)]
     found.skipped = len(viable) - len(fitting)
     bounds = {c: _upper_bound(name, c, model, cost_model, flash_attention, vocab_parallel) for c in fitting}
@@ -188,6 +188,15 @@ def _search_one(name, candidates, model, cost_model, flash_attention, tolerance:
         if not prediction.oom and (found.best is None or prediction.mfu > found.best.mfu):
             found.best = prediction
     return found
+
+
+def _vocab_runs(layout: ParallelLayout, model: GPTModel) -> bool:
+    """Whether training takes --pipeline-vocab-parallel on ``layout`` (megatron/vocab_checks.py): no context
+    parallelism, and Megatron's padded vocabulary (to a multiple of --make-vocab-size-divisible-by x TP) in
+    TP x PP equal shards."""
+    multiple = model.make_vocab_divisible_by * layout.tp
+    padded = -(-model.vocab // multiple) * multiple
+    return layout.cp == 1 and padded % (layout.tp * layout.pp) == 0
 
 
 def _dominated(layout: ParallelLayout, oom: ParallelLayout) -> bool:
