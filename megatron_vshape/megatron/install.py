@@ -281,8 +281,12 @@ class ScheduleRunner:
         import torch
 
         counts = getattr(self._inner, "last_wgrad_counts", None)  # None: Megatron's own function
-        mine = [meter.peak_bytes if meter is not None else 0] + ([counts.deferred, counts.run] if counts else [])
+        vocab = getattr(self._inner, "last_vocab_bytes", None)  # with --pipeline-vocab-parallel
+        mine = ([meter.peak_bytes if meter is not None else 0] + ([counts.deferred, counts.run] if counts else [])
+                + (list(vocab) if vocab else []))
         rows = _gather_ints(mine, pp_group)
+        vocab_rows = [row[-2:] for row in rows] if vocab else None
+        rows = [row[:-2] for row in rows] if vocab else rows
         peaks = [row[0] for row in rows]
         now = time.time()
         elapsed = None if self._clock.last_call is None else now - self._clock.last_call
@@ -294,6 +298,10 @@ class ScheduleRunner:
                  f"predicted bubble {bubble * 100:.1f}%" if bubble is not None else "predicted bubble n/a",
                  "peak activation MiB per pipeline rank: " + ", ".join(f"{p / 2**20:.2f}" for p in peaks),
                  wgrad_part([tuple(row[1:]) for row in rows] if counts else None)]
+        if vocab_rows is not None:
+            parts.append("vocabulary passes MiB per pipeline rank, held from H to G: "
+                         + ", ".join(f"{held / 2**20:.2f}" for held, _ in vocab_rows)
+                         + f"; the first stage's embeddings: {max(e for _, e in vocab_rows) / 2**20:.2f}")
         parts += _throughput(self.args, elapsed)
         print(" [vshape] " + " | ".join(parts), flush=True)
 

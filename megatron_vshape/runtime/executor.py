@@ -105,6 +105,7 @@ class ScheduleExecutor:
         self._programs: dict[tuple[int, int, bool, bool], Program] = {}  # (d, m, forward_only, defer every W)
         self._wgrad = WeightGradAdapter()
         self.last_wgrad_counts = None  # weight gradients deferred / run by the last call (wgrad.WgradCounts)
+        self.last_vocab_bytes = None  # --pipeline-vocab-parallel: IterationResult.vocab_bytes of the last call
         self.record_timeline = False
         self.last_timeline: list[tuple[Action, float, float]] = []
         self.current_timeline: Timeline | None = None  # the running call's spans (record_timeline)
@@ -207,6 +208,7 @@ class ScheduleExecutor:
         result = Iteration(setup, call).execute()
         if result.pass_times is not None:
             self.last_timeline = result.pass_times
+        self.last_vocab_bytes = result.vocab_bytes
         if not forward_only and self.cost_profile is not None:
             self._after_training_call(setup.clock, result, groups.pp, num_microbatches)
         self.last_wgrad_counts = self._wgrad.counts() - before

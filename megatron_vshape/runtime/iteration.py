@@ -92,6 +92,8 @@ class IterationResult:
     pass_times: list[tuple[Action, float, float]] | None  # with IterationSetup.record_passes
     tensor_shape: tuple[int, ...]  # of one p2p message (the cost profile measures sending it)
     dtype: torch.dtype
+    # With vocabulary passes: (peak bytes held from H to G, the first stage's embeddings' bytes) on this rank
+    vocab_bytes: tuple[int, int] | None = None
 
 
 @dataclass
@@ -204,7 +206,8 @@ class Iteration:
             losses, pass_times = self._execute(exchange, progress)
         if timers is not None:
             timers("forward-backward").stop()
-        return IterationResult(losses, pass_times, self.tensor_shape, self.dtype)
+        vocab = None if self.vocab is None else (self.vocab.peak_held_bytes, self.vocab.embedding_bytes)
+        return IterationResult(losses, pass_times, self.tensor_shape, self.dtype, vocab)
 
     def _execute(self, exchange: PlanExchange, progress: Progress):
         pass_times = [] if self.setup.record_passes else None

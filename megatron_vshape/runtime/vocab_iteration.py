@@ -84,6 +84,11 @@ class VocabPasses:
     labels: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: what F(k) was called with
     loss_funcs: dict[int, Callable] = field(default_factory=dict)  # last stage: the script's loss of F(k)
     weight_tasks: dict[int, Callable] = field(default_factory=dict)  # G(k)'s task
+    # What the passes hold, for the [vshape] line: bytes kept from H(k) to G(k) (the logits' gradient
+    # shard and the hidden state), their peak over the call, and the first stage's embeddings.
+    held: dict[int, int] = field(default_factory=dict)
+    peak_held_bytes: int = 0
+    embedding_bytes: int = 0
 
     @property
     def first_rank(self) -> int:
@@ -133,6 +138,7 @@ class VocabPasses:
         if self.rank == self.first_rank:
             summed = partial.view(m, b, s, -1)
             self.embeddings = {k: summed[k] for k in range(m)}
+            self.embedding_bytes = partial.nbytes * (1 if self.forward_only else 2)  # and their gradients
         return iterator
 
     def epilogue(self) -> None:
@@ -217,11 +223,15 @@ class VocabPasses:
         grad_loss = self._broadcast(grad_loss.to(torch.float32).contiguous(), self.last_rank)
         grad_hidden, task = self.layers.output_backward(out, grad_loss)
         self.weight_tasks[microbatch] = task
+        rows, tokens = out.state.probs.shape[1], out.state.probs.shape[0]
+        self.held[microbatch] = rows * tokens * self.layers.output_weight.element_size() + hidden_in.nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, sum(self.held.values()))
         return grad_hidden.to(hidden.dtype) if holder else None
 
     def run_g(self, microbatch: int) -> None:
         if not self.forward_only:
             self.weight_tasks.pop(microbatch)()
+            self.held.pop(microbatch, None)
 
     def check_drained(self) -> None:
         left = {name: sorted(d) for name, d in (("weight gradients", self.weight_tasks), ("labels", self.labels),

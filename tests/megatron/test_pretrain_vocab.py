@@ -17,6 +17,8 @@ Tied embeddings (pretrain_gpt's default). ``-m extended``: untied, and every oth
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from glue_support import GRAD_NORM, LOSS, assert_runs_the_checkouts_megatron, launch_ranks
 
@@ -30,6 +32,8 @@ TINY = ("--cpu --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 
         "--log-interval 1 --eval-interval 5 --eval-iters 1").split()
 FLAG = "--pipeline-vocab-parallel"
 TIMEOUT = 240
+VOCAB_LINE = re.compile(r"vocabulary passes MiB per pipeline rank, held from H to G: ([0-9., ]+); "
+                        r"the first stage's embeddings: ([0-9.]+)")
 EVAL = r"validation loss at iteration 5 on (\w+) set \| lm loss value: ([0-9.E+-]+)"
 
 
@@ -45,8 +49,6 @@ def _losses(output: str) -> dict[int, float]:
 
 
 def _evaluations(output: str) -> dict[str, float]:
-    import re
-
     return {name: float(v) for name, v in re.findall(EVAL, output)}
 
 
@@ -96,6 +98,11 @@ def test_v_half_with_the_flag_gives_megatrons_1f1b_losses(runs):
     assert _losses(runs["1f1b"])[5] < _losses(runs["1f1b"])[1], "training must make progress"
     # the shards are there: every rank's first chunk holds its rows (Megatron's DDP lists the parameter)
     assert runs["v-half+vp"].count("vocab_parallel.embedding_weight") == 2
+    # the [vshape] line reports what the passes hold: from H to G on every rank, the first stage's embeddings
+    found = VOCAB_LINE.findall(runs["v-half+vp"])
+    assert len(found) == 5, runs["v-half+vp"][-3000:]
+    held, embeddings = found[-1]
+    assert len(held.split(", ")) == 2 and all(float(x) > 0 for x in held.split(", ")) and float(embeddings) > 0
 
 
 @pytest.mark.timeout(5 * TIMEOUT)

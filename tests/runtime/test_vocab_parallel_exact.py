@@ -48,3 +48,16 @@ def test_pp4_uneven_shards_of_split_and_fused_schedules():
 @pytest.mark.timeout(600)
 def test_tp2_pp2():
     _check(RunSpec(schedules=("1f1b", "v-zb"), pp=2, tp=2, microbatches=4, also_tied=True, vocab_parallel=True))
+
+
+@pytest.mark.timeout(600)
+def test_tp2_pp2_sequence_parallel():
+    # the last stage's [s/tp, b, h] is gathered over TP for H, and its gradient kept per rank on the way back
+    _check(RunSpec(schedules=("v-zb",), pp=2, tp=2, microbatches=4, sequence_parallel=True, vocab_parallel=True))
+
+
+@pytest.mark.timeout(600)
+def test_dp2_pp2_distributed_optimizer_with_overlapped_grad_reduce():
+    # the shards' gradients (G passes, and the embedding's in the epilogue) land before the chunk's buckets launch
+    _check(RunSpec(schedules=("1f1b", "v-zb"), pp=2, dp=2, microbatches=4, distributed_optimizer=True,
+                   overlap_grad_reduce=True, vocab_parallel=True))
