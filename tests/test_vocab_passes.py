@@ -189,3 +189,24 @@ def test_vocabulary_costs_parse_and_refuse_in_one_line():
         simulate(get_schedule("v-half", 2, 4), Costs(vocab=HEAD))
     with pytest.raises(ScheduleError, match="vocabulary passes"):
         simulate(get_schedule("v-half", 2, 4, Costs(vocab=HEAD)), Costs())
+
+
+def test_deferred_g_passes_wait_at_most_the_cap_on_every_device():
+    from megatron_vshape.schedules.generators.vocab_passes import MAX_DEFERRED_G
+
+    costs = replace(UNEQUAL, vocab=VocabWork(f=0.5, b=0.5, w=0.1, memory=1.0))  # small G: many gaps fit one
+    for name in ("v-zb", "zb-1p", "zb-2p"):
+        schedule = get_schedule(name, 4, 16, costs)
+        deferred = 0
+        for program in schedule.programs:
+            waiting = set()
+            for action in program:
+                if action.kind is VocabKind.H:
+                    waiting.add(action.microbatch)
+                elif action.kind is VocabKind.G:
+                    waiting.discard(action.microbatch)
+                if action.kind is VocabKind.H and len(waiting) > 1:
+                    deferred += 1
+                assert len(waiting) <= 3, (name, program)  # the cap's 2 and the H just run (uncapped: 7 on zb-2p)
+        assert deferred > 0, name  # some G did wait for a gap
+    assert MAX_DEFERRED_G == 2

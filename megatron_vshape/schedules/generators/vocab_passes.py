@@ -17,8 +17,8 @@ microbatch order on every device, which the collectives need (one order on every
 
 **G.** Right after its H where the schedule fuses its backward, and where it keeps activation memory
 low (V-Min, V-Half: a deferred G holds the logits' gradient). Elsewhere (zero-bubble schedules) a G
-fills an idle gap of its device after its H, as the zero-bubble schedules' own W passes do; what no
-gap takes runs right after its H.
+fills an idle gap of its device after its H, as the zero-bubble schedules' own W passes do, with at most
+``MAX_DEFERRED_G`` waiting at a time; what no gap takes runs right after its H.
 """
 
 from __future__ import annotations
@@ -82,8 +82,14 @@ def _break_point(program, ends: list[float], timeline, t: float, lowest: int, de
     return running if wait_here <= wait_others else running + 1
 
 
+# A deferred G keeps its H's logits' gradient shard and hidden state: at most this many wait on a device
+# (a gap further away is not used; the G then runs right after its H).
+MAX_DEFERRED_G = 2
+
+
 def _place_g(schedule: Schedule, costs: Costs, into_gaps: bool) -> Schedule:
-    """Every shard's G: into idle gaps after its H (``into_gaps``), else right after its H."""
+    """Every shard's G: into idle gaps after its H (``into_gaps``; at most ``MAX_DEFERRED_G`` waiting at a
+    time), else right after its H."""
     _, g_time = vocab_pass_times(costs, schedule.num_devices)
     programs = [list(program) for program in schedule.programs]
     if not into_gaps or g_time <= 0:
@@ -108,9 +114,12 @@ def _place_g(schedule: Schedule, costs: Costs, into_gaps: bool) -> Schedule:
         left: list[Action] = []
         h_end = {a.microbatch: timeline[a].end for a in program if a.kind is VocabKind.H}
         h_index = {a.microbatch: i for i, a in enumerate(program) if a.kind is VocabKind.H}
-        for k in sorted(h_end, key=h_end.get):
+        order = sorted(h_end, key=h_end.get)
+        for n, k in enumerate(order):
             g = Action(VocabKind.G, device, k)
-            gap = next((gap for gap in gaps if gap[0] > h_index[k] and gap[1] >= g_time - EPS), None)
+            # At most MAX_DEFERRED_G deferred at a time: G(k) runs before the H that many passes later.
+            limit = h_index[order[n + MAX_DEFERRED_G]] if n + MAX_DEFERRED_G < len(order) else len(program) + 1
+            gap = next((gap for gap in gaps if h_index[k] < gap[0] <= limit and gap[1] >= g_time - EPS), None)
             if gap is None:
                 left.append(g)
                 continue
