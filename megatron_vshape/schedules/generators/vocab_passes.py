@@ -93,14 +93,7 @@ def _place_g(schedule: Schedule, costs: Costs, into_gaps: bool) -> Schedule:
     _, g_time = vocab_pass_times(costs, schedule.num_devices)
     programs = [list(program) for program in schedule.programs]
     if not into_gaps or g_time <= 0:
-        for device, program in enumerate(programs):
-            out = []
-            for action in program:
-                out.append(action)
-                if action.kind is VocabKind.H:
-                    out.append(Action(VocabKind.G, device, action.microbatch))
-            programs[device] = out
-        return replace(schedule, programs=tuple(map(tuple, programs)))
+        return replace(schedule, programs=tuple(map(tuple, _with_g_after_h(programs))))
     timing_costs = replace(costs, vocab=replace(costs.vocab, w=0.0))  # G free: time without them
     timeline = simulate(replace(schedule, programs=tuple(map(tuple, _with_g_after_h(programs)))),
                         timing_costs).timeline
@@ -137,6 +130,7 @@ def _place_g(schedule: Schedule, costs: Costs, into_gaps: bool) -> Schedule:
 
 
 def _with_g_after_h(programs: list[list[Action]]) -> list[list[Action]]:
+    """Every G right after its H (the schedules that fuse their backward, and V-Min / V-Half)."""
     out = []
     for device, program in enumerate(programs):
         row = []
