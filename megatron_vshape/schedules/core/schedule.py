@@ -73,6 +73,12 @@ class Placement:
 STAGE_WORK_FIELDS = ("f", "b", "w", "memory")
 
 
+def _out_of_range(work, names, in_range) -> list[str]:
+    """``name=value`` of each of ``work``'s fields ``names`` that is not finite or not ``in_range``."""
+    return [f"{name}={getattr(work, name)}" for name in names
+            if not (math.isfinite(getattr(work, name)) and in_range(getattr(work, name)))]
+
+
 @dataclass(frozen=True)
 class StageWork:
     """Multipliers of one stage's F, B, W time and activation memory, relative to Costs' base values.
@@ -88,8 +94,7 @@ class StageWork:
 
     def __post_init__(self) -> None:
         # Zero or negative work breaks every "longer work, later end" argument the generators make.
-        bad = [f"{name}={getattr(self, name)}" for name in STAGE_WORK_FIELDS
-               if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0)]
+        bad = _out_of_range(self, STAGE_WORK_FIELDS, lambda value: value > 0)
         if bad:
             raise ScheduleError(f"per-stage multipliers must be finite numbers > 0; got {', '.join(bad)}")
 
@@ -119,8 +124,7 @@ class VocabWork:
     memory: float = 0.0
 
     def __post_init__(self) -> None:
-        bad = [f"{name}={getattr(self, name)}" for name in VOCAB_WORK_FIELDS
-               if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0)]
+        bad = _out_of_range(self, VOCAB_WORK_FIELDS, lambda value: value >= 0)
         if bad:
             raise ScheduleError(f"vocabulary work must be finite numbers >= 0; got {', '.join(bad)}")
 
