@@ -84,13 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-stage multipliers of the --costs times and of activation memory, one value per stage in "
              "global stage order (V: 2d stages, stage 2d-1-i on device i; looped: d, interleaved: d x chunks); "
              "groups f=, b=, w=, memory= or time= (f, b and w together) separated by ';'; omitted keys stay 1")
-    simulate_p.add_argument(
-        "--vocab-parallel", default=None, metavar="time=0.92",
-        help="run the output layer and loss as vocabulary-parallel passes spread over every device (H: forward "
-             "and input gradient, a collective of all devices; G: weight gradient): their work over the whole "
-             "vocabulary as multiples of one V chunk's F, B, W (f=, b=, w=, or time= for all three) and memory= "
-             "what one microbatch holds from H to G, in V-chunk activations; --stage-costs is then the layers' "
-             "work alone")
+    _add_vocab_flag(simulate_p)
 
     plot_p = sub.add_parser("plot", help="draw a schedule (PNG, SVG or PDF)")
     _add_selection(plot_p)
@@ -99,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="draw activation memory over time: into -o alone, or with FILE into FILE "
                              "in addition to the schedule picture")
     plot_p.add_argument("--title", default=None, help="picture title (default: name, sizes, bubble, memory)")
+    _add_vocab_flag(plot_p)
 
     export_p = sub.add_parser("export", help="write a schedule as torch CSV, chrome trace, text or grid")
     _add_selection(export_p)
@@ -136,3 +131,14 @@ DELEGATED = {
                     "check pretrain_gpt.py flags (parser + start-up checks, no GPU): accepted, or the refusal"),
     "verify": ("megatron_vshape.verify", "run one iteration on CPU or GPU ranks (--device cuda) and compare with a one-process run"),
 }
+
+
+def _add_vocab_flag(parser) -> None:
+    """``--vocab-parallel`` of ``simulate`` and ``plot`` (cli_inputs.costs_of reads it)."""
+    parser.add_argument(
+        "--vocab-parallel", default=None, metavar="time=0.92",
+        help="run the output layer and loss as vocabulary-parallel passes spread over every device (H: forward "
+             "and input gradient, a collective of all devices; G: weight gradient): their work over the whole "
+             "vocabulary as multiples of one V chunk's F, B, W (f=, b=, w=, or time= for all three) and memory= "
+             "what one microbatch holds from H to G, in V-chunk activations; --stage-costs is then the layers' "
+             "work alone")

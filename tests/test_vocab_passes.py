@@ -210,3 +210,14 @@ def test_deferred_g_passes_wait_at_most_the_cap_on_every_device():
                 assert len(waiting) <= 3, (name, program)  # the cap's 2 and the H just run (uncapped: 7 on zb-2p)
         assert deferred > 0, name  # some G did wait for a gap
     assert MAX_DEFERRED_G == 2
+
+
+@pytest.mark.slow  # matplotlib
+def test_vshape_plot_draws_the_vocabulary_passes(tmp_path, capsys):
+    from megatron_vshape.cli import main
+
+    out = tmp_path / "vocab.svg"
+    assert main(["plot", "-s", "v-zb", "--stages", "4", "--microbatches", "8", "--vocab-parallel", "time=0.92",
+                 "-o", str(out)]) == 0
+    svg = out.read_text()
+    assert "H (vocabulary" in svg and "G (vocabulary weight grad)" in svg

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.actions import Kind
+from ..core.actions import Kind, VocabKind
 from ..core.simulator import SimulationResult
 
 # (light, dark) per kind: the light shade is chunk 0, the dark one the last chunk.
@@ -22,8 +22,12 @@ _PALETTE = {
     Kind.F: ("#9cc3ee", "#2b62a8"),
     Kind.B: ("#92dcc0", "#16866a"),
     Kind.W: ("#cfbdf0", "#6a45b0"),
+    VocabKind.H: ("#f5b971", "#f5b971"),  # one shade: a vocabulary shard is no model chunk
+    VocabKind.G: ("#f2df8c", "#f2df8c"),
 }
-_KIND_NAME = {Kind.F: "F (forward)", Kind.B: "B (input grad)", Kind.W: "W (weight grad)"}
+_KIND_NAME = {Kind.F: "F (forward)", Kind.B: "B (input grad)", Kind.W: "W (weight grad)",
+              VocabKind.H: "H (vocabulary: output layer and loss, all devices together)",
+              VocabKind.G: "G (vocabulary weight grad)"}
 _FORMATS = {".png", ".svg", ".pdf"}
 
 
@@ -32,6 +36,11 @@ def _mix(light: str, dark: str, t: float) -> tuple[float, float, float]:
 
     a, b = to_rgb(light), to_rgb(dark)
     return tuple(x + (y - x) * t for x, y in zip(a, b))
+
+
+def _chunk(placement, action) -> int:
+    """The model chunk a pass's box is shaded by (vocabulary passes: their own colour, chunk 0)."""
+    return 0 if isinstance(action.kind, VocabKind) else placement.chunk_of(action.stage)
 
 
 def _colour(kind: Kind, chunk: int, chunks: int) -> tuple[float, float, float]:
@@ -80,7 +89,7 @@ def plot_schedule(result: SimulationResult, path, title: str | None = None, labe
 
     groups: dict[tuple[Kind, int], list[tuple[float, float, int]]] = {}
     for action, iv in result.timeline.items():
-        key = (action.kind, placement.chunk_of(action.stage))
+        key = (action.kind, _chunk(placement, action))
         groups.setdefault(key, []).append((iv.start, iv.end - iv.start, iv.device))
 
     bar = 0.86
@@ -108,8 +117,8 @@ def plot_schedule(result: SimulationResult, path, title: str | None = None, labe
         _label_boxes(fig, ax, result, total, width, row, chunks)
 
     handles = []
-    for kind in (Kind.F, Kind.B, Kind.W):
-        if chunks == 1:
+    for kind in (Kind.F, Kind.B, Kind.W, *(VocabKind if schedule.vocab_parallel else ())):
+        if chunks == 1 or isinstance(kind, VocabKind):
             handles.append(Patch(facecolor=_colour(kind, 0, 1), edgecolor="#303030", label=_KIND_NAME[kind]))
         else:
             for chunk in range(chunks):
@@ -135,7 +144,7 @@ def _label_boxes(fig, ax, result, total, width, row, chunks) -> None:
         box_points = (iv.end - iv.start) * points_per_unit
         if box_points < fontsize * 0.62 * len(text) + 2.0:
             continue
-        colour = _colour(action.kind, placement.chunk_of(action.stage), chunks)
+        colour = _colour(action.kind, _chunk(placement, action), chunks)
         ax.text((iv.start + iv.end) / 2, iv.device, text, ha="center", va="center",
                 fontsize=fontsize, color=_text_colour(colour))
 
