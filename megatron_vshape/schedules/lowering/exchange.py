@@ -217,7 +217,7 @@ def _timed_run(plans, sends, costs: Costs):
 
     devices = range(len(plans))
     arrival: dict[tuple[int, int], float] = {}  # (microbatch, rank) -> when the rank reached its H
-    vocab = vocab_pass_times(costs, len(plans))[0] if costs.vocab is not None else 1.0
+    vocab, vocab_w = vocab_pass_times(costs, len(plans)) if costs.vocab is not None else (1.0, 1.0)
 
     def needs(device, entry):
         arrive, index, step = entry
@@ -240,7 +240,7 @@ def _timed_run(plans, sends, costs: Costs):
         start = max([free[device]] + [slot_time[key] for key in waits_for[device][index]])
         starts[device].append(start)
         free[device] = start + (costs.of(step.action.kind, step.action.stage)
-                                if not isinstance(step.action.kind, VocabKind) else 0.0)
+                                if not isinstance(step.action.kind, VocabKind) else vocab_w)
         made = []
         for msg in step.sends:
             n = send_position[msg]
