@@ -336,7 +336,10 @@ def test_the_flag_is_offered_only_where_training_takes_it(llama):
     """Training refuses --pipeline-vocab-parallel with context parallelism and with a padded vocabulary that
     does not split into TP x PP equal shards (megatron/vocab_checks.py): the search must not offer it there."""
     from megatron_vshape.megatron.vocab_checks import padded_vocab_size
-    from megatron_vshape.planner.search import _vocab_runs
+    from megatron_vshape.planner.search import vocab_problem
+
+    def _vocab_runs(layout, model):
+        return vocab_problem(layout, model) is None
 
     model, _cost_model, _flash = llama
     assert _vocab_runs(ParallelLayout(8, 1, 8, 1, 128), model)
@@ -344,4 +347,4 @@ def test_the_flag_is_offered_only_where_training_takes_it(llama):
     odd = replace(model, vocab=50257)  # padded to 50304 = 3 x 131 x 128: splits over 3 and 8, not over 5
     assert padded_vocab_size(50257, 128, 1) == 50304
     assert _vocab_runs(ParallelLayout(8, 1, 8, 1, 128), odd) and _vocab_runs(ParallelLayout(8, 1, 3, 1, 128), odd)
-    assert not _vocab_runs(ParallelLayout(8, 1, 5, 1, 128), odd)
+    assert "does not split into TP 1 x PP 5" in vocab_problem(ParallelLayout(8, 1, 5, 1, 128), odd)

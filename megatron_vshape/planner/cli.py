@@ -226,13 +226,21 @@ def report(results: list[ScheduleSearch], show_all: bool, reasons: dict[str, str
     """One line per row (a schedule, and the schedule with ``+vocab``), best first; ``reasons`` says why
     a row found nothing (by row name)."""
     lines = []
+    empty_vocab: dict[str, str] = {}  # +vocab rows that found nothing: one line for them at the end
     for found in sorted(results, key=lambda r: -(r.best.mfu if r.best else -1)):
         head = f"{found.label:<16s} "
         why = (reasons or {}).get(found.label, found.reason)
+        if found.best is None and found.vocab_parallel:
+            empty_vocab[found.label] = why
+            continue
         lines.append(head + (_row(found.best) if found.best else "nothing fits: " + why)
                      + f"   [{len(found.evaluated)} simulated, {found.skipped} pruned]")
         if show_all:
             lines.extend("    " + _row(p) for p in sorted(found.evaluated, key=lambda p: -p.mfu))
+    if len(set(empty_vocab.values())) == 1:
+        lines.append(f"{'+vocab rows':<16s} nothing fits for {', '.join(empty_vocab)}: {next(iter(empty_vocab.values()))}")
+    else:
+        lines.extend(f"{label:<16s} nothing fits: {why}" for label, why in empty_vocab.items())
     return "\n".join(lines)
 
 

@@ -164,7 +164,7 @@ def search(schedules: Sequence[str], model: GPTModel, cost_model: CostModel, gpu
 def _search_one(name, candidates, model, cost_model, flash_attention, tolerance: float = 0.0,
                 vocab_parallel: bool = False) -> ScheduleSearch:
     found = ScheduleSearch(name, vocab_parallel=vocab_parallel)
-    viable = [c for c in candidates if _runnable(name, c, model) and (not vocab_parallel or _vocab_runs(c, model))]
+    viable = [c for c in candidates if _runnable(name, c, model) and (not vocab_parallel or vocab_problem(c, model) is None)]
     fitting = [c for c in viable if _static_fits(c, model, cost_model)]
     found.skipped = len(viable) - len(fitting)
     bounds = {c: _upper_bound(name, c, model, cost_model, flash_attention, vocab_parallel) for c in fitting}
@@ -190,13 +190,18 @@ def _search_one(name, candidates, model, cost_model, flash_attention, tolerance:
     return found
 
 
-def _vocab_runs(layout: ParallelLayout, model: GPTModel) -> bool:
-    """Whether training takes --pipeline-vocab-parallel on ``layout`` (megatron/vocab_checks.py): no context
-    parallelism, and Megatron's padded vocabulary (to a multiple of --make-vocab-size-divisible-by x TP) in
-    TP x PP equal shards."""
+def vocab_problem(layout: ParallelLayout, model: GPTModel) -> str | None:
+    """Why training refuses --pipeline-vocab-parallel on ``layout`` (megatron/vocab_checks.py), or None: no
+    context parallelism, and Megatron's padded vocabulary (to a multiple of --make-vocab-size-divisible-by x TP)
+    in TP x PP equal shards."""
+    if layout.cp > 1:
+        return "--pipeline-vocab-parallel does not run with context parallelism"
     multiple = model.make_vocab_divisible_by * layout.tp
     padded = -(-model.vocab // multiple) * multiple
-    return layout.cp == 1 and padded % (layout.tp * layout.pp) == 0
+    if padded % (layout.tp * layout.pp):
+        return (f"--pipeline-vocab-parallel: the padded vocabulary ({padded}) does not split into TP {layout.tp} x "
+                f"PP {layout.pp} equal shards; set --make-vocab-size-divisible-by to a multiple of PP")
+    return None
 
 
 def _dominated(layout: ParallelLayout, oom: ParallelLayout) -> bool:

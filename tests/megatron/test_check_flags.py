@@ -46,10 +46,11 @@ CASES = {  # name: (vshape check-flags arguments before "--", flags after it)
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402  (the TE loss runs scripts/gpu_check.sh launches)
 
-for _name, _gpus, _extra, _schedule, _ in gpu_check.TE_LOSS_RUNS:
-    for _sched in (_schedule, "1f1b"):
+for _name, _gpus, _extra, _schedule, _, *_compared_only in gpu_check.TE_LOSS_RUNS:
+    for _sched, _more in ((_schedule, " ".join(_compared_only).split()), ("1f1b", [])):
         CASES[f"gpu_check {_name} {_sched}"] = (["--te-version", "2.8", "--world-size", str(_gpus)],
-                                                [*gpu_check.LOSS_MODEL.split(), *_extra.split(), "--pipeline-schedule", _sched])
+                                                [*gpu_check.LOSS_MODEL.split(), *_extra.split(), "--pipeline-schedule", _sched,
+                                                 *_more])
 
 DRIVER = textwrap.dedent("""
     import contextlib, io, json, sys
@@ -117,7 +118,7 @@ def test_check_flags_needs_the_double_dash_and_a_valid_version(capsys):
 @pytest.mark.timeout(300)
 def test_the_gpu_check_te_runs_pass_the_start_up_checks(verdicts):
     """What scripts/gpu_check.sh launches must get past the checks (TE route for the split schedule)."""
-    for name, _, _, schedule, _ in gpu_check.TE_LOSS_RUNS:
+    for name, _, _, schedule, *_ in gpu_check.TE_LOSS_RUNS:
         code, lines = verdicts[f"gpu_check {name} {schedule}"]
         assert code == 0 and lines[0].endswith("split route: TE deferral"), (name, lines)
         code, lines = verdicts[f"gpu_check {name} 1f1b"]
