@@ -12,8 +12,8 @@ first pass still running at t_k, or after that pass, whichever makes the rendezv
 total: breaking before costs this device the time from that pass's start to t_k; breaking after costs
 every other device the rest of that pass. Each H column then shifts what follows on every device
 alike, so the transformer timeline places all of them. On uniform stages the boundaries of 1F1B's and
-the V schedules' steady states line up and H costs its own duration only. The H passes come in
-microbatch order on every device, which the collectives need (one order on every rank).
+the V schedules' steady states line up and H costs its own duration only. Every device meets the H
+passes in one order (the last stage's forwards'), which the collectives need.
 
 **G.** Right after its H where the schedule fuses its backward, and where it keeps activation memory
 low (V-Min, V-Half: a deferred G holds the logits' gradient). Elsewhere (zero-bubble schedules) a G
