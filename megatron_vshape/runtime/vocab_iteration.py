@@ -121,16 +121,19 @@ class VocabPasses:
         m, b, s = self.num_microbatches, self.micro_batch_size, self.seq_length
         tokens = torch.empty((m, b, s), dtype=torch.long, device=self._device())
         iterator = first_chunk_iterator
+        problem = None
         if self.rank == self.first_rank:
+            tokens.fill_(NO_TOKENS)  # what every rank receives when the first stage cannot read them
             if first_chunk_iterator is not None:
                 iterator = PrefetchedIterator(first_chunk_iterator, m)
-                tokens.copy_(torch.stack([_tokens_of(item) for item in iterator.items]))
+                problem = _tokens_into(tokens, iterator.items)
+            elif self.tp_group.size() == 1:
+                problem = "the first stage has no data iterator to read the tokens of its microbatches from"
             if self.tp_group.size() > 1:
                 dist.broadcast(tokens, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-            elif first_chunk_iterator is None:
-                raise RuntimeError("--pipeline-vocab-parallel: the first stage has no data iterator to read the "
-                                   "tokens of its microbatches from")
         self.tokens = self._broadcast(tokens, self.first_rank)
+        if bool((self.tokens == NO_TOKENS).any()):  # every rank stops here, none waits in a collective
+            raise RuntimeError(f"--pipeline-vocab-parallel: {problem or 'the first stage could not read the tokens'}")
         partial = self.layers.embed(self.tokens.view(m * b, s)).to(self.dtype)
         if self.tp_group.size() > 1:
             dist.all_reduce(partial, group=self.tp_group)
@@ -241,9 +244,14 @@ class VocabPasses:
             raise RuntimeError(f"schedule left vocabulary work undone: {left}")
 
 
-def _tokens_of(item) -> torch.Tensor:
-    tokens = item.get("tokens") if isinstance(item, dict) else None
-    if tokens is None:
-        raise RuntimeError("--pipeline-vocab-parallel: the first stage's data items must be dicts with 'tokens' "
-                           "(as Megatron's GPT datasets give), to look the embedding up on every rank")
-    return tokens
+NO_TOKENS = -1  # never a token id: the first stage sends it when it could not read the tokens
+
+
+def _tokens_into(tokens: torch.Tensor, items) -> str | None:
+    """Copy the items' tokens into ``tokens`` ([m, b, s]); a one-line problem when they have none."""
+    found = [item.get("tokens") if isinstance(item, dict) else None for item in items]
+    if any(t is None for t in found):
+        return ("the first stage's data items must be dicts with 'tokens' (as Megatron's GPT datasets give), to look "
+                "the embedding up on every rank")
+    tokens.copy_(torch.stack(found))
+    return None

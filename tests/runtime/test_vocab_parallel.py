@@ -96,3 +96,35 @@ def test_loss_and_every_gradient_equal_one_process(world_size, tp, vocab):
     for rank, result in enumerate(results):
         for name in ("loss", "grad_hidden", "grad_weight", "embedded", "grad_embedding"):
             assert result[name] <= 1e-6, (rank, name, result)
+
+
+def prologue_without_tokens(rank: int, world_size: int, items: list):
+    """PP 2, TP 1: the first stage's data items have no tokens; every rank must get the one-line error."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_vshape.runtime.vocab_iteration import VocabPasses
+    from megatron_vshape.schedules.core.schedule import Placement
+
+    class Layers:  # what VocabPasses reads of the shard layers before the error
+        tp_group = dist.new_group([rank])
+        pp_group = dist.group.WORLD
+        embedding_weight = torch.zeros(1)
+        hidden_size = HIDDEN
+
+    passes = VocabPasses(Layers(), Placement.v_shape(world_size), rank, num_microbatches=2, micro_batch_size=1,
+                         seq_length=3, dtype=torch.float32, forward_only=False)
+    try:
+        passes.prologue(iter(items) if rank == 0 else None)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_first_stage_without_tokens_stops_every_rank_in_one_line():
+    from megatron_vshape.testing import spawn
+
+    items = [{"text": "no tokens"}, {"text": "no tokens"}]
+    errors = spawn(prologue_without_tokens, 2, (items,), timeout=60)
+    assert all(error is not None and "must be dicts with 'tokens'" in error for error in errors[:1]), errors
+    assert errors[1] is not None and "--pipeline-vocab-parallel" in errors[1], errors  # not a hang in a collective
