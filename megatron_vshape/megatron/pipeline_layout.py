@@ -129,12 +129,11 @@ def stage_works(args, layers):
     planner cannot describe the model (the caller then scales by layer count)."""
     try:
         model = planner_model(args)
-        from ..planner.balance import StageExtras, stage_work
+        from ..planner.balance import stage_work
     except (ImportError, ValueError):
         return None
-    if getattr(args, "pipeline_vocab_parallel", False):
-        return stage_work(model, layers, extras=StageExtras())
-    return stage_work(model, layers)
+    # With --pipeline-vocab-parallel the stages hold the layers alone (no head, no logits), as the planner costs it.
+    return stage_work(model, layers, vocab_parallel=bool(getattr(args, "pipeline_vocab_parallel", False)))
 
 
 def vocab_work(args):
