@@ -364,11 +364,11 @@ def test_deferred_grad_refuses_a_copied_weight():
     lose it silently, so the W pass must refuse."""
     import torch
 
-    from megatron_vshape.runtime.wgrad import WgradError, _accumulate
+    from megatron_vshape.runtime.wgrad import WgradError, accumulate_weight_grad
 
     param = torch.nn.Parameter(torch.zeros(2, 2))
-    _accumulate(param, torch.ones(2, 2))
-    _accumulate(param, torch.ones(2, 2))
+    accumulate_weight_grad(param, torch.ones(2, 2))
+    accumulate_weight_grad(param, torch.ones(2, 2))
     assert torch.equal(param.grad, torch.full((2, 2), 2.0))
     with pytest.raises(WgradError, match="saved-tensor hooks"):
-        _accumulate(param.detach().clone(), torch.ones(2, 2))
+        accumulate_weight_grad(param.detach().clone(), torch.ones(2, 2))

@@ -62,6 +62,7 @@ import torch
 from ..runtime import vocab_parallel as vp
 from ..runtime.placement import PipelineRankView, _unwrap, chunk_specs
 from ..runtime.vocab_iteration import LAYERS_NAME  # the submodule of a rank's first chunk the executor reads
+from ..runtime.wgrad_linear import accumulate_weight_grad
 from ..schedules.core.schedule import Placement
 from .flags import V_SCHEDULE_NAMES, ConfigError
 from .vocab_checks import FLAG, check_vocab_sizes
@@ -147,18 +148,6 @@ class FinalOutput:
 # --- the shard layers ----------------------------------------------------------------------------------
 
 
-def accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    """Add ``grad`` as autograd and Megatron's DDP hook would: into ``param.main_grad`` when DDP gave it one,
-    else into ``param.grad``."""
-    main_grad = getattr(param, "main_grad", None)
-    if main_grad is not None:
-        main_grad.add_(grad.to(main_grad.dtype))
-    elif param.grad is None:
-        param.grad = grad.to(param.dtype)
-    else:
-        param.grad.add_(grad.to(param.grad.dtype))
-
-
 class WeightGradTask:
     """A weight gradient to add later (a W): ``task()`` computes it and adds it into ``task.weight``."""
 
@@ -170,7 +159,7 @@ class WeightGradTask:
         if self._compute is None:
             raise RuntimeError(f"{FLAG}: a vocabulary weight gradient ran twice")
         compute, self._compute = self._compute, None
-        accumulate_grad(self.weight, compute())
+        accumulate_weight_grad(self.weight, compute())
 
 
 @dataclass
@@ -314,12 +303,6 @@ class VocabShardLayers(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"rows [{self.shard.start}, {self.shard.end}) of {self.padded_vocab}, hidden {self.hidden_size}, "
                 f"{'tied' if self.tied else 'untied'}")
-
-
-def find_vocab_layers(model) -> VocabShardLayers | None:
-    """The :class:`VocabShardLayers` of a rank (``model``: its chunks, or its first chunk; wrappers allowed)."""
-    first = model[0] if isinstance(model, (list, tuple)) else model
-    return getattr(_unwrap(first), LAYERS_NAME, None)
 
 
 # --- the surgery ---------------------------------------------------------------------------------------

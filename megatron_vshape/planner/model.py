@@ -90,7 +90,11 @@ class GPTModel:
     @property
     def padded_vocab(self) -> int:
         """Megatron's ``_vocab_size_with_padding`` at TP 1 (a multiple of --make-vocab-size-divisible-by)."""
-        step = self.make_vocab_divisible_by
+        return self.padded_vocab_at(1)
+
+    def padded_vocab_at(self, tp: int) -> int:
+        """Megatron's ``_vocab_size_with_padding`` at TP ``tp`` (a multiple of --make-vocab-size-divisible-by x TP)."""
+        step = self.make_vocab_divisible_by * tp
         return -(-self.vocab // step) * step
 
     @cached_property

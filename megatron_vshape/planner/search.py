@@ -196,8 +196,7 @@ def vocab_problem(layout: ParallelLayout, model: GPTModel) -> str | None:
     in TP x PP equal shards."""
     if layout.cp > 1:
         return "--pipeline-vocab-parallel does not run with context parallelism"
-    multiple = model.make_vocab_divisible_by * layout.tp
-    padded = -(-model.vocab // multiple) * multiple
+    padded = model.padded_vocab_at(layout.tp)
     if padded % (layout.tp * layout.pp):
         return (f"--pipeline-vocab-parallel: the padded vocabulary ({padded}) does not split into TP {layout.tp} x "
                 f"PP {layout.pp} equal shards; set --make-vocab-size-divisible-by to a multiple of PP")

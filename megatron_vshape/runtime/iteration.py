@@ -218,7 +218,7 @@ class Iteration:
                               launcher=self.launcher) as grad_sync:
             if self.vocab is not None:
                 progress.at("the vocabulary prologue (tokens to every rank, embeddings to the first stage)")
-                first = self.chunk_of(0) if self.rank == self.placement.device_of(0) else None
+                first = self.chunk_of(0) if self.rank == self.vocab.first_rank else None
                 iterator = self.vocab.prologue(first.data_iterator if first is not None else None)
                 if first is not None:
                     first.data_iterator = iterator
@@ -331,9 +331,7 @@ class Iteration:
             is_first_microbatch=_first_val_step(self.first_val_step, self.forward_only, mb == 0),
             current_microbatch=mb, vp_stage=chunk.vp_stage, is_last_stage=chunk.is_last_stage,
         )
-        if store:
-            self.data_store.setdefault(mb, []).extend(store)
-        self.total_num_tokens += num_tokens
+        self._keep_loss_step(mb, store, num_tokens)
         if self.vocab is not None and last:
             self.vocab.record_labels(mb)
             chunk.outputs[mb] = output  # its H reads it (and deallocates it when training)
@@ -365,7 +363,7 @@ class Iteration:
 
     def _vocab_h(self, mb: int) -> None:
         """H(k): on the last stage's rank its output goes in and the gradient for its B comes out."""
-        holder = self.rank == self.placement.device_of(self.placement.num_stages - 1)
+        holder = self.rank == self.vocab.last_rank
         chunk = self.chunk_of(self.placement.num_stages - 1) if holder else None
         hidden = chunk.outputs[mb] if holder else None
         grad = self.vocab.run_h(mb, hidden, self._vocab_loss(chunk, mb) if holder else None)
@@ -390,14 +388,18 @@ class Iteration:
                 output, num_tokens = compat.forward_step_calc_loss(
                     chunk.model, leaf, loss_func, self.config, chunk.vp_stage, self.collect_non_loss_data,
                     self.num_microbatches, store, self.cp_size)
-            if store:
-                self.data_store.setdefault(mb, []).extend(store)
-            self.total_num_tokens += num_tokens
+            self._keep_loss_step(mb, store, num_tokens)
             if self.forward_only:
                 return None
             return compat.backward_step(leaf, output, None, self.model_type, self.config)
 
         return loss
+
+    def _keep_loss_step(self, mb: int, store: list, num_tokens) -> None:
+        """What megatron's loss step of microbatch ``mb`` reported (the call's return value) and its tokens."""
+        if store:
+            self.data_store.setdefault(mb, []).extend(store)
+        self.total_num_tokens += num_tokens
 
     def _backward_weight(self, action: Action) -> None:
         if Action(Kind.B, action.stage, action.microbatch) in self.deferred:

@@ -43,9 +43,11 @@ from .placement import _unwrap
 LAYERS_NAME = "vocab_parallel"  # the submodule of a rank's first chunk that holds its vocabulary shard
 
 
-def vocab_layers_of(models):
-    """The rank's vocabulary shard layers (the first chunk's submodule), or None without the flag."""
-    return getattr(_unwrap(models[0]), LAYERS_NAME, None)
+def vocab_layers_of(model):
+    """The rank's vocabulary shard layers (the first chunk's submodule), or None without the flag;
+    ``model``: the rank's chunks, or its first chunk (wrappers allowed)."""
+    first = model[0] if isinstance(model, (list, tuple)) else model
+    return getattr(_unwrap(first), LAYERS_NAME, None)
 
 
 class PrefetchedIterator:

@@ -53,8 +53,8 @@ from .wgrad_checks import (
     defers_itself,
     has_splittable_linears,
 )
-from .wgrad_linear import _accumulate as _accumulate  # re-exported for the tests
 from .wgrad_linear import _LinearWeightGrad as _LinearWeightGrad  # re-exported for the tests
+from .wgrad_linear import accumulate_weight_grad as accumulate_weight_grad  # re-exported for the tests
 from .wgrad_linear import backward_input_only, megatron_layers
 
 __all__ = ["CONTEXT_FIELDS", "Key", "WeightGradStore", "WgradCounts", "WgradError", "check_context", "check_ddp_config",

@@ -81,7 +81,7 @@ class _LinearWeightGrad:
             if self.fused_main_grad is not None:
                 _accumulate_fused(self.weight, self.fused_main_grad, total_input, grad_output)
             else:
-                _accumulate(self.weight, grad_output.t().matmul(total_input))
+                accumulate_weight_grad(self.weight, grad_output.t().matmul(total_input))
 
     def _total_input(self) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -98,11 +98,12 @@ def _autocast_as_in_forward(enabled: bool, dtype: torch.dtype | None):
     return torch.autocast("cuda", enabled=True, dtype=dtype) if enabled else contextlib.nullcontext()
 
 
-def _accumulate(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
-    """Add as autograd + megatron DDP's hook would: main_grad.add_(grad), or into weight.grad."""
+def accumulate_weight_grad(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
+    """Add as autograd + megatron DDP's hook would: main_grad.add_(grad), or into weight.grad (in the
+    gradient's own dtype: a vocabulary shard's gradient may come in another one than its weight's)."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None:
-        main_grad.add_(grad_weight)
+        main_grad.add_(grad_weight.to(main_grad.dtype))
         return
     if not isinstance(weight, torch.nn.Parameter):
         # Under saved_tensors_hooks (e.g. activation offloading) autograd hands backward a copy of
@@ -112,9 +113,9 @@ def _accumulate(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
             "activation offloading are active); turn them off or use a schedule without B/W split"
         )
     if weight.grad is None:
-        weight.grad = grad_weight
+        weight.grad = grad_weight.to(weight.dtype)
     else:
-        weight.grad.add_(grad_weight)
+        weight.grad.add_(grad_weight.to(weight.grad.dtype))
 
 
 def _accumulate_fused(weight, main_grad, total_input, grad_output) -> None:

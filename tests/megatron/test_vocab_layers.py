@@ -351,7 +351,7 @@ def model_rank(rank: int, world_size: int, cases: list[Case]) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
-    from megatron_vshape.megatron.vocab_layers import find_vocab_layers
+    from megatron_vshape.runtime.vocab_iteration import vocab_layers_of
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, 1)
@@ -368,7 +368,7 @@ def model_rank(rank: int, world_size: int, cases: list[Case]) -> dict:
             setattr(patch[0], patch[1], patch[2])
         try:
             _, chunks = _chunks(case, placement)
-            layers = find_vocab_layers(chunks)
+            layers = vocab_layers_of(chunks)
             report = _surgery_report(case, chunks, layers, refs[case.variant])
             report.update(_run_microbatch(case, placement, chunks, layers, refs[case.variant]))
         finally:
@@ -491,7 +491,8 @@ def _vocab_chunks(placement, tied: bool, seed: int, freed: list | None = None):
 
     import torch
 
-    from megatron_vshape.megatron.vocab_layers import find_vocab_layers, install_vocab_parallel
+    from megatron_vshape.megatron.vocab_layers import install_vocab_parallel
+    from megatron_vshape.runtime.vocab_iteration import vocab_layers_of
 
     chunks = _plain_chunks(placement, tied, seed)
     full = [weakref.ref(c.embedding.word_embeddings.weight) for c in chunks if c.pre_process]
@@ -500,7 +501,7 @@ def _vocab_chunks(placement, tied: bool, seed: int, freed: list | None = None):
     gc.collect()
     if freed is not None:
         freed.append(bool(full) and all(ref() is None for ref in full))
-    layers = find_vocab_layers(chunks)
+    layers = vocab_layers_of(chunks)
     with torch.no_grad():  # distinct values on every rank, nothing an initialisation could match
         gen = torch.Generator().manual_seed(seed * 31 + torch.distributed.get_rank())
         for param in layers.parameters():

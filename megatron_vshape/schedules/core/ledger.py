@@ -21,7 +21,7 @@ from .inputs import EPS
 from .ready import ready_rule
 from .schedule import Costs, MemoryModel, Placement
 from .schedule import stage_activation as activation  # one formula, shared with Schedule.activation
-from .timing import KIND_INDEX, KINDS, PassIds
+from .timing import KIND_INDEX, KINDS, PassIds, vocab_rows
 
 __all__ = ["MemoryLedger", "activation", "input_ready", "pass_deltas"]
 
@@ -42,8 +42,7 @@ def pass_deltas(placement: Placement, costs: Costs, memory: MemoryModel = Memory
     # Vocabulary passes (H then G, one shard per device): H allocates what its G frees. In units of one
     # microbatch over L/d layers, like stage_activation (one V chunk F is half of one).
     held = costs.vocab.shard_memory(placement.num_devices) / 2.0 * unit
-    pad = (0.0,) * (placement.num_stages - placement.num_devices)
-    return deltas + (held,) * placement.num_devices + pad + (-held,) * placement.num_devices + pad
+    return deltas + vocab_rows((held, -held), placement.num_devices, placement.num_stages)
 
 
 class MemoryLedger:

@@ -169,8 +169,14 @@ def stage_durations(per_stage, vocab: tuple[float, float] | None = None, vocab_s
     table = tuple(times[kind] for kind in range(3) for times in per_stage)
     if vocab is None:
         return table
-    pad = (0.0,) * (len(per_stage) - vocab_shards)
-    return table + (vocab[0],) * vocab_shards + pad + (vocab[1],) * vocab_shards + pad
+    return table + vocab_rows(vocab, vocab_shards, len(per_stage))
+
+
+def vocab_rows(values: tuple[float, float], shards: int, num_stages: int) -> tuple[float, ...]:
+    """The H and G rows of a flat (kind, stage) table: ``values`` = (H's, G's), one per shard (shard r is
+    row r), the rest of each row unused (0)."""
+    pad = (0.0,) * (num_stages - shards)
+    return (values[0],) * shards + pad + (values[1],) * shards + pad
 
 
 def _ids_of(program, ids: PassIds) -> list[int]:
