@@ -182,7 +182,9 @@ def summarize(plans: Sequence[RankProgram], timelines: Sequence[Timeline], comm:
     return [RankSummary(rank, tl.wall, tl.totals(), predicted[rank], span) for rank, tl in enumerate(timelines)]
 
 
-HEADER = (f"{'schedule':14s} {'rank':>4s} {'wall ms':>8s} {'F':>6s} {'B':>6s} {'W':>6s} {'w-recv':>6s} "
+# One column per category of format_rows, in its order (the compute categories include the vocabulary's H and G).
+HEADER = (f"{'schedule':14s} {'rank':>4s} {'wall ms':>8s} "
+          + " ".join(f"{c.value:>6s}" for c in COMPUTE) + f" {'w-recv':>6s} "
           f"{'w-send':>6s} {'bookk':>6s} {'gsync':>6s} {'outsd':>6s} {'idle%':>6s} {'pred%':>6s} {'sim%':>6s} "
           f"{'stg%':>6s}")
 

@@ -114,3 +114,14 @@ def test_recorded_categories_add_up_to_the_wall_time_of_a_real_call(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(chrome_trace({name: last})))
     assert len(json.loads(path.read_text())["traceEvents"]) > sum(len(p.steps) for p in plans)
+
+
+def test_the_table_header_has_a_column_for_each_value_of_a_row():
+    """format_rows prints every compute category (F, B, W and the vocabulary's H and G), the waits,
+    bookkeeping, gsync and outside: the header names as many columns."""
+    from megatron_vshape.runtime.timeline import COMPUTE, HEADER, WAITS, Category, RankSummary, format_rows
+
+    totals = dict.fromkeys(Category, 0.001)
+    row = format_rows("v-zb", [RankSummary(0, 0.01, totals, 0.0, 0.01)], 0.02, 0.03)[0]
+    assert len(row.split()) == len(HEADER.split()) - 1  # "wall ms" is one column in two words
+    assert all(f" {c.value} " in HEADER for c in COMPUTE) and len(WAITS) == 2
