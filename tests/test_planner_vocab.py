@@ -139,17 +139,18 @@ def test_collectives_are_two_messages_where_every_hop_crosses_nodes_and_carried_
 # ---- the predicted MFU with and without the flag ----------------------------------------------------------
 # (schedule: MFU without the flag on the search's layout, on the uniform layout, with the flag); the planner's
 # numbers on this branch, pinned to half a point so that a change to the cost model shows here.
-LLAMA_MFU = {"1f1b": (0.3487, 0.2981, 0.2963), "zb-1p": (0.3967, 0.3429, 0.3355), "v-min": (0.2848, 0.2642, 0.2805),
-             "v-half": (0.3571, 0.3319, 0.3406), "v-zb": (0.4119, 0.3664, 0.4093)}
+LLAMA_MFU = {"1f1b": (0.3487, 0.2981, 0.3254), "zb-1p": (0.3967, 0.3429, 0.3763), "v-min": (0.2848, 0.2642, 0.2868),
+             "v-half": (0.3571, 0.3319, 0.3630), "v-zb": (0.4119, 0.3664, 0.4326)}
 
 
 @pytest.mark.usefixtures("recipe")
 def test_llama3_8b_at_pp8_with_and_without_the_flag(llama):
     """Llama-3 8B, PP 8, DP 8 on 64 H100s, 16 microbatches of 1. With the flag every stage holds two (1F1B:
     four) layers and the peak memory drops on every schedule; on the V schedules the flag beats the uniform
-    layout without it (whose last stage carries the whole head), V-ZB nearly ties the balanced layout, and no
-    schedule beats its balanced layout: every H is a rendezvous of the 8 devices whose passes (F 7.3 ms, B 9.6,
-    W 4.7 per V chunk) do not end together, and its collectives cross the inter-node network."""
+    layout without it (whose last stage carries the whole head) and V-Min, V-Half and V-ZB beat their balanced
+    layout; 1F1B and ZB-1P do not: on their placement the head sits alone on the last device, which the
+    balanced layout evens out by giving it fewer layers, while every H adds its collectives across the
+    inter-node network (about 2 x 1.9 ms) to every rank."""
     model, cost_model, flash = llama
     assert set(LLAMA_MFU) == set(RECIPE_SCHEDULES)  # every schedule the recipe's plan prints
     for name, (search_mfu, uniform_mfu, flag_mfu) in LLAMA_MFU.items():
@@ -162,15 +163,16 @@ def test_llama3_8b_at_pp8_with_and_without_the_flag(llama):
                                                                           abs=0.005), name
         assert with_flag.memory.peak < without.memory.peak, name
         if name.startswith("v-"):
-            assert with_flag.mfu > uniform.mfu, name
+            assert with_flag.mfu > without.mfu, name
 
 
 @pytest.mark.usefixtures("recipe")
 def test_v_zb_bubble_with_the_flag_against_uniform_stages_for_llama3_8b(llama):
     """The issue's criterion: V-ZB's simulated bubble with the flag within 2 points of its bubble on uniform
-    stages (no head). The planner's costs give 21.3 % against 16.9 %: 4.4 points. The gap is the rendezvous:
-    the vocabulary passes add 16 x (H + G) = 107 ms of work to the 832 ms uniform run, and the run takes
-    1015 ms. Pinned (to a point) so that a better placement of H (schedules/generators/vocab_passes.py) shows."""
+    stages (no head). The planner's costs give 15.1 % against 16.9 %: the vocabulary passes add 16 x (H + G) =
+    107 ms of work to the 832 ms uniform run and the run takes 941 ms, so the 16 rendezvous wait 1.5 ms in all
+    (the placement of schedules/generators/vocab_passes.py; its first placement, H at each rank's pass boundary
+    nearest the last stage's forward, took 1015 ms: 21.3 %)."""
     model, cost_model, flash = llama
     times, _, costs = _uniform_chunk_costs(model, cost_model, LLAMA_LAYOUT, flash)
     costs = replace(costs, vocab=vocab_work(model, LLAMA_LAYOUT, cost_model, times, costs, flash))
@@ -178,18 +180,20 @@ def test_v_zb_bubble_with_the_flag_against_uniform_stages_for_llama3_8b(llama):
     plain = Costs(costs.f, costs.b, costs.w, costs.comm)
     uniform = simulate(get_schedule("v-zb", 8, 16, plain), plain)
     h, g = costs.vocab.shard_times(costs, 8)
-    assert flag.makespan_total > uniform.makespan_total + 16 * (h + g)  # waiting at the rendezvous
-    assert (flag.bubble_rate, uniform.bubble_rate) == pytest.approx((0.213, 0.169), abs=0.01)
+    assert flag.makespan_total >= uniform.makespan_total + 16 * (h + g) - 1e-9  # the work is all there
+    assert flag.makespan_total < uniform.makespan_total + 16 * (h + g) * 1.05  # the rendezvous wait little
+    assert uniform.bubble_rate == pytest.approx(0.169, abs=0.005)
+    assert flag.bubble_rate <= uniform.bubble_rate + 0.02
 
 
-VOCAB_256K_MFU = {"1f1b": (0.5275, 0.5368), "v-half": (0.5342, 0.6532), "v-zb": (0.5359, 0.6910)}
+VOCAB_256K_MFU = {"1f1b": (0.5275, 0.6486), "v-half": (0.5342, 0.6541), "v-zb": (0.5359, 0.7024)}
 
 
 def test_a_256k_vocabulary_on_8_gpus_with_and_without_the_flag(vocab_256k):
     """The paper's quick experiment (vocabulary 256k, seq 4096, 8 A100s, PP 8, 128 microbatches): the head is
     5.7 layers' worth, more than the 4.7 a device would do with everything even, so without the flag device
-    0 (V) or the last device (1F1B) paces the pipeline however the layers move. With it V-Half and V-ZB gain
-    12 and 16 points; 1F1B gains less than a point (its rendezvous waits: a 24 % bubble)."""
+    0 (V) or the last device (1F1B) paces the pipeline however the layers move. With it 1F1B, V-Half and V-ZB
+    gain 12, 12 and 17 points."""
     model, cost_model, flash = vocab_256k
     for name, (without_mfu, flag_mfu) in VOCAB_256K_MFU.items():
         without = predict(name, VOCAB_256K_LAYOUT, model, cost_model, flash)

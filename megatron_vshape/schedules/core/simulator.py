@@ -105,20 +105,27 @@ def _work(times: ProgramTimes, num_stages: int, uniform: bool) -> list[float]:
 
 def _run_programs(schedule: Schedule, costs: Costs) -> ProgramTimes:
     """As-soon-as-possible execution of every device's program in order ("squeeze")."""
-    scale = schedule.placement.layer_scale
     placement = schedule.placement
-    per_stage = [tuple(costs.of(kind, stage) * scale for kind in KINDS) for stage in range(placement.num_stages)]
-    shards = schedule.num_devices if schedule.vocab_parallel else 0
-    vocab = vocab_pass_times(costs, shards) if shards else None
     times = run_programs(
         schedule.programs, [placement.device_of(s) for s in range(placement.num_stages)],
         schedule.num_stages, schedule.num_microbatches,
-        stage_durations(per_stage, vocab, shards), costs.comm, schedule.fused_backward, shards,
+        pass_durations(schedule, costs), costs.comm, schedule.fused_backward,
+        schedule.num_devices if schedule.vocab_parallel else 0,
     )
     stuck = [str(schedule.programs[dev][times.cursor[dev]]) for dev in times.stuck]
     if stuck:
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: devices wait forever at {', '.join(stuck)}")
     return times
+
+
+def pass_durations(schedule: Schedule, costs: Costs, vocab_parallel: bool | None = None) -> tuple[float, ...]:
+    """The timing core's flat duration table of ``schedule``'s passes under ``costs`` (with the vocabulary
+    passes' rows where the schedule holds them, or where ``vocab_parallel`` says it will)."""
+    scale = schedule.placement.layer_scale
+    per_stage = [tuple(costs.of(kind, stage) * scale for kind in KINDS) for stage in range(schedule.num_stages)]
+    with_vocab = schedule.vocab_parallel if vocab_parallel is None else vocab_parallel
+    shards = schedule.num_devices if with_vocab else 0
+    return stage_durations(per_stage, vocab_pass_times(costs, shards) if shards else None, shards)
 
 
 def _memory_timeline(times: ProgramTimes, program: list[int], deltas) -> tuple[tuple[float, float], ...]:

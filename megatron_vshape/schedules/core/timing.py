@@ -89,20 +89,42 @@ def run_programs(
     if len(durations) == 3:
         durations = stage_durations([durations] * num_stages)
     ids = PassIds(num_stages, num_microbatches)
-    m, per_kind = num_microbatches, num_stages * num_microbatches
-    id_programs = [_ids_of(program, ids) for program in programs]
+    table = input_table(device_of_stage, num_microbatches, comm, fused_backward, vocab_shards)
+    return run_id_programs([_ids_of(program, ids) for program in programs], ids, durations, table, vocab_shards)
+
+
+@dataclass(frozen=True)
+class TimedPrefix:
+    """The first ``cursor[d]`` passes of every device's program, timed and final: ``end`` (and ``start``)
+    hold their times, UNSET for every other pass; device d is free from ``free[d]``. Timing resumes from
+    here (:func:`run_id_programs`) when only what follows the prefixes changes."""
+
+    cursor: tuple[int, ...]
+    free: tuple[float, ...]
+    start: list[float]
+    end: list[float]
+
+
+def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple[float, ...], table,
+                    vocab_shards: int = 0, prefix: TimedPrefix | None = None) -> ProgramTimes:
+    """:func:`run_programs` on programs of pass ids, its input table given; from ``prefix`` when given
+    (the passes in it are not timed again; the lists are copied)."""
+    m, per_kind = ids.num_microbatches, ids.per_kind
     kinds = 5 if vocab_shards else 3
-    start = [0.0] * (kinds * per_kind)
-    end = [UNSET] * (kinds * per_kind)
+    if prefix is None:
+        start = [0.0] * (kinds * per_kind)
+        end = [UNSET] * (kinds * per_kind)
+        cursor, free = [0] * len(id_programs), [0.0] * len(id_programs)
+    else:
+        start, end = list(prefix.start), list(prefix.end)
+        cursor, free = list(prefix.cursor), list(prefix.free)
     # The shared ready-time rule's table (ready.input_table), read inline: see ready.py.
-    _, first, first_delay, second, second_delay = input_table(device_of_stage, m, comm, fused_backward, vocab_shards)
+    _, first, first_delay, second, second_delay = table
     # Collective passes (H) have ids in [first_collective, end_collective); without vocabulary passes no id
     # reaches first_collective, so the hot loop pays one comparison.
     first_collective = 3 * per_kind if vocab_shards else len(end)
     end_collective = 4 * per_kind
     arrived: dict[int, list[tuple[int, float, int]]] = {}  # microbatch -> (device, ready, pass id) at its H
-    cursor = [0] * len(id_programs)
-    free = [0.0] * len(id_programs)
     waiters: dict[int, list[int]] = {}
     queue = deque(range(len(id_programs)))
     while queue:

@@ -6,14 +6,17 @@ adds, for every microbatch k, one H pass on every device (the shard's output lay
 and input gradient: a collective pass, every device's H of k runs together) and one G pass (the
 shard's weight gradient).
 
-**H.** Time the transformer schedule. Let t_k be the end of the last stage's F(k). On the last
-stage's device H(k) goes right after F(k) (B(k) needs it). On every other device it goes before its
-first pass still running at t_k, or after that pass, whichever makes the rendezvous wait less in
-total: breaking before costs this device the time from that pass's start to t_k; breaking after costs
-every other device the rest of that pass. Each H column then shifts what follows on every device
-alike, so the transformer timeline places all of them. On uniform stages the boundaries of 1F1B's and
-the V schedules' steady states line up and H costs its own duration only. Every device meets the H
-passes in one order (the last stage's forwards'), which the collectives need.
+**H.** Each H of microbatch k is a rendezvous of every device, placed one at a time in the order of the
+last stage's forwards (every device meets them in that order, which the collectives need). On the last
+stage's device H(k) goes right after F(k) (B(k) needs it). Let t_k be that F's end. The rendezvous may
+meet at t_k (every other device breaks before its pass running then) or when one device's running pass
+ends (every device breaks after the passes it has finished by then): each such meeting time is a trial,
+timed from where the H passes placed so far leave every device (a prefix that no later H changes). A
+trial is judged by its pace, the end of the last stage's next forward (the next rendezvous can come no
+earlier), looking one rendezvous ahead: the trial whose best next trial has the earliest pace wins, then
+its own pace. Meeting late can pay: a device that finishes its running pass first may let the next
+rendezvous meet early. On uniform stages the boundaries of 1F1B's and the V schedules' steady states line
+up and H costs its own duration only.
 
 **G.** Right after its H where the schedule fuses its backward, and where it keeps activation memory
 low (V-Min, V-Half: a deferred G holds the logits' gradient). Elsewhere (zero-bubble schedules) a G
@@ -23,13 +26,14 @@ fills an idle gap of its device after its H, as the zero-bubble schedules' own W
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..core.actions import Action, Kind, VocabKind
 from ..core.inputs import EPS
-from ..core.schedule import Costs, Schedule, vocab_pass_times
-from ..core.simulator import simulate
+from ..core.ready import UNSET, input_table
+from ..core.schedule import Costs, Schedule, ScheduleError, vocab_pass_times
+from ..core.simulator import pass_durations, simulate
+from ..core.timing import PassIds, ProgramTimes, TimedPrefix, run_id_programs
 
 
 def with_vocab_passes(schedule: Schedule, costs: Costs, gaps_for_g: bool) -> Schedule:
@@ -40,46 +44,124 @@ def with_vocab_passes(schedule: Schedule, costs: Costs, gaps_for_g: bool) -> Sch
     """
     if schedule.vocab_parallel:
         return schedule
-    d, m = schedule.num_devices, schedule.num_microbatches
-    last = schedule.num_stages - 1
-    holder = schedule.placement.device_of(last)
-    timeline = simulate(schedule, costs.without_vocab()).timeline
-    order = sorted(range(m), key=lambda k: timeline[Action(Kind.F, last, k)].end)
-    programs = []
-    for device, program in enumerate(schedule.programs):
-        ends = [timeline[action].end for action in program]
-        where: dict[int, list[int]] = {}  # index in the transformer program -> the H placed before it
-        lowest = 0
-        for k in order:
-            if device == holder:
-                at = program.index(Action(Kind.F, last, k)) + 1
-            else:
-                at = _break_point(program, ends, timeline, timeline[Action(Kind.F, last, k)].end, lowest, d)
-            lowest = max(at, lowest)
-            where.setdefault(lowest, []).append(k)
-        row: list[Action] = []
-        for i in range(len(program) + 1):
-            row.extend(Action(VocabKind.H, device, k) for k in where.get(i, ()))
-            if i < len(program):
-                row.append(program[i])
-        programs.append(tuple(row))
-    with_h = replace(schedule, programs=tuple(programs), vocab_parallel=True,
+    with_h = replace(schedule, programs=_place_h(schedule, costs), vocab_parallel=True,
                      meta={**schedule.meta, "vocab_parallel": True})
     return _place_g(with_h, costs, gaps_for_g and not schedule.fused_backward)
 
 
-def _break_point(program, ends: list[float], timeline, t: float, lowest: int, devices: int) -> int:
-    """Where a device that does not hold the last stage joins the rendezvous at ``t``: before its first
-    pass still running at ``t`` (ending after it), or after that pass when that waits less in total."""
-    running = bisect.bisect_right(ends, t + EPS, lo=lowest)  # first pass ending after t
-    if running >= len(program):
-        return len(program)
-    span = timeline[program[running]]
-    if span.start >= t - EPS:
-        return running  # idle or at a boundary at t: join there
-    wait_here = t - span.start  # it breaks before the pass and idles until the others arrive
-    wait_others = (span.end - t) * (devices - 1)
-    return running if wait_here <= wait_others else running + 1
+@dataclass(frozen=True)
+class _Trial:
+    """One place for the H passes of a rendezvous: the programs with them in, timed."""
+
+    pace: float  # the end of the last stage's next forward (the last rendezvous: the makespan)
+    breaks: tuple[int, ...]  # where H went into each device's program
+    programs: list[list[int]]
+    times: ProgramTimes
+
+
+class _HPlacer:
+    """The rendezvous of the H passes, placed one at a time in the last stage's forwards' order: the
+    programs are pass ids (timing.PassIds), and every trial is timed from the prefix that the H
+    passes placed so far make final."""
+
+    def __init__(self, schedule: Schedule, costs: Costs):
+        self.num_devices, self.m = schedule.num_devices, schedule.num_microbatches
+        last = schedule.num_stages - 1
+        self.holder = schedule.placement.device_of(last)
+        self.ids = PassIds(schedule.num_stages, self.m)
+        self.table = input_table([schedule.placement.device_of(s) for s in range(schedule.num_stages)], self.m,
+                                 costs.comm, schedule.fused_backward, self.num_devices)
+        self.durations = pass_durations(schedule, costs, vocab_parallel=True)
+        self.forwards = [self.ids.of(a) for a in schedule.programs[self.holder]
+                         if a.kind is Kind.F and a.stage == last]
+
+    def run(self, programs: list[list[int]], prefix: TimedPrefix | None) -> ProgramTimes:
+        return run_id_programs(programs, self.ids, self.durations, self.table, self.num_devices, prefix)
+
+    def trials(self, programs: list[list[int]], times: ProgramTimes, prefix: TimedPrefix | None,
+               n: int) -> list[_Trial]:
+        """Every place for the n-th rendezvous that its meeting times give (``_meeting_times``)."""
+        forward = self.forwards[n]
+        k = forward % self.m
+        lowest = prefix.cursor if prefix else (0,) * self.num_devices
+        after = programs[self.holder].index(forward) + 1  # the last stage's H: right after its F
+        out = []
+        for meet in _meeting_times(programs, times, lowest, times.end[forward], self.holder):
+            breaks = tuple(after if device == self.holder
+                           else _passes_by(program, times.end, lowest[device], times.cursor[device], meet)
+                           for device, program in enumerate(programs))
+            trial = [[*program[:at], self.ids.of(Action(VocabKind.H, device, k)), *program[at:]]
+                     for device, (program, at) in enumerate(zip(programs, breaks))]
+            trial_times = self.run(trial, prefix)
+            if trial_times.end[trial[self.holder][after]] < 0:
+                continue  # H never meets: a device waits, before its H, on a pass that follows another's H
+            pace = (trial_times.end[self.forwards[n + 1]] if n + 1 < len(self.forwards)
+                    else max(trial_times.end[program[-1]] for program in trial))
+            if pace >= 0:
+                out.append(_Trial(pace, breaks, trial, trial_times))
+        return out
+
+    def best(self, trials: list[_Trial], n: int) -> _Trial:
+        """The trial whose next rendezvous can come earliest (then the earliest pace itself): one step of
+        look-ahead, because a rendezvous that meets late can let the next one meet early."""
+        if len(trials) == 1 or n + 1 == len(self.forwards):
+            return min(trials, key=lambda trial: round(trial.pace, 9))
+
+        def next_pace(trial: _Trial) -> float:
+            after = self.trials(trial.programs, trial.times, _prefix_through(trial), n + 1)
+            return min((t.pace for t in after), default=float("inf"))
+
+        return min(trials, key=lambda trial: (round(next_pace(trial), 9), round(trial.pace, 9)))
+
+def _place_h(schedule: Schedule, costs: Costs) -> tuple[tuple[Action, ...], ...]:
+    """The programs with every shard's H placed, one rendezvous at a time in the last stage's forwards'
+    order (see the module's docstring)."""
+    placer = _HPlacer(schedule, costs)
+    programs = [[placer.ids.of(action) for action in program] for program in schedule.programs]
+    times, prefix = placer.run(programs, None), None
+    for n in range(len(placer.forwards)):
+        trials = placer.trials(programs, times, prefix, n)
+        if not trials:
+            raise ScheduleError(f"{schedule.name}: no place for the vocabulary pass H of microbatch "
+                                f"{placer.forwards[n] % placer.m}")
+        chosen = placer.best(trials, n)
+        programs, times, prefix = chosen.programs, chosen.times, _prefix_through(chosen)
+    return tuple(tuple(placer.ids.action(x) for x in program) for program in programs)
+
+
+def _meeting_times(programs: list[list[int]], times: ProgramTimes, lowest, t_k: float, holder: int) -> list[float]:
+    """Where the rendezvous after the last stage's forward (ending at ``t_k``) may start: at ``t_k`` (every
+    other device breaks before its pass running then), or when one device's running pass ends (every
+    device that has finished its passes by then breaks after them)."""
+    meetings = {t_k}
+    for device, program in enumerate(programs):
+        if device == holder:
+            continue
+        for i in range(lowest[device], times.cursor[device]):
+            if times.end[program[i]] > t_k + EPS:
+                meetings.add(times.end[program[i]])
+                break
+    return sorted(meetings)
+
+
+def _passes_by(program: list[int], end: list[float], lowest: int, timed: int, meet: float) -> int:
+    """Index in ``program`` after its passes (from ``lowest`` on, of the first ``timed``) that end by ``meet``."""
+    at = lowest
+    while at < timed and end[program[at]] <= meet + EPS:
+        at += 1
+    return at
+
+
+def _prefix_through(trial: _Trial) -> TimedPrefix:
+    """``trial``'s times kept up to and including its new H on every device (whose end frees every device
+    alike), the rest forgotten (they are timed again with the next H in place)."""
+    start, end = list(trial.times.start), list(trial.times.end)
+    cursor = [at + 1 for at in trial.breaks]
+    for device, program in enumerate(trial.programs):
+        for x in program[cursor[device]:trial.times.cursor[device]]:
+            end[x] = UNSET
+    free = tuple(trial.times.end[program[at - 1]] for program, at in zip(trial.programs, cursor))
+    return TimedPrefix(tuple(cursor), free, start, end)
 
 
 # A deferred G keeps its H's logits' gradient shard and hidden state: at most this many wait on a device
