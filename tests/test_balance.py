@@ -15,7 +15,7 @@ from megatron_vshape.planner.balance import (
     stage_work,
 )
 from megatron_vshape.planner.model import GPTModel
-from megatron_vshape.schedules.core.schedule import Costs, ScheduleError
+from megatron_vshape.schedules.core.schedule import Costs, ScheduleError, StageWork
 from megatron_vshape.schedules.core.simulator import simulate
 from megatron_vshape.schedules.generators.registry import get_schedule
 
@@ -193,7 +193,13 @@ def test_bench_layout_runs_three_layouts_and_vocabulary_parallelism_side_by_side
     assert report["predicted_ratio"]["balanced"] < 1.0  # the head is 5 layers' worth by FLOPs
     assert report["layouts"]["vocab-parallel"] == [1, 1, 1, 1]
     assert set(report["vocab_pass_s"]) == {"F", "B", "W", "H", "G"}  # the vocabulary passes ran
-    assert 0.0 < report["predicted_ratio"]["vocab-parallel"] < 1.5
+    # The prediction simulates the schedules that ran with the costs measured in the same iterations.
+    in_run = report["in_run"]
+    assert set(in_run["uniform"]["costs"]) == {"F", "B", "W"} and set(in_run["vocab-parallel"]["costs"]) == set("FBWHG")
+    assert all(row["makespan"] > 0.0 and row["outside"] >= 0.0 for row in in_run.values())
+    assert report["predicted_ratio"]["vocab-parallel"] == pytest.approx(
+        (in_run["vocab-parallel"]["makespan"] + in_run["vocab-parallel"]["outside"])
+        / (in_run["uniform"]["makespan"] + in_run["uniform"]["outside"]))
 
 
 @pytest.mark.slow
@@ -207,3 +213,34 @@ def test_balanced_layouts_script_quick(tmp_path):
     assert [r["schedule"] for r in rows] == ["1f1b", "v-half", "v-zb"]
     for row in rows:
         assert row["balanced_mfu"] > row["reference_mfu"] * 1.1  # the 128k-vocabulary head is ~2 layers
+
+
+def test_bench_layout_predicts_a_row_from_the_passes_as_they_ran():
+    """The vocabulary row's prediction: the simulator on the schedule that ran, with the costs read off the
+    recorded passes. Fed the simulator's own run (each rank's H recorded from its arrival, as the executor
+    records it: the early rank's H holds its wait), it gives back that run's makespan: H's cost is read from
+    the last rank to arrive, not the mean over ranks (which counts the waits as work)."""
+    from megatron_vshape.schedules.core.actions import VocabKind
+    from megatron_vshape.schedules.core.schedule import VocabWork
+
+    bench = _script("bench_layout")
+    costs = Costs(1.0, 1.3, 0.8, stages=(StageWork(), StageWork(1.2, 1.1, 1.0), StageWork(), StageWork(0.9, 1.0, 1.3)),
+                  vocab=VocabWork(f=1.5, b=1.5, w=1.0))
+    schedule = get_schedule("v-zb", 2, 6, costs)
+    result = simulate(schedule, costs)
+    by_rank = []
+    for program in schedule.programs:
+        passes, free = [], 0.0
+        for action in program:
+            span = result.timeline[action]
+            start = free if action.kind is VocabKind.H else span.start  # H recorded from the rank's arrival
+            passes.append((action, start, span.end))
+            free = span.end
+        by_rank.append([passes])
+    waits = sum(end - start for passes in by_rank for action, start, end in passes[0] if action.kind is VocabKind.H) \
+        - 2 * 6 * costs.vocab.shard_times(costs, 2)[0]
+    assert waits > 0.1  # some rank did arrive early
+    row = bench._simulate_as_ran(schedule, by_rank, [result.makespan_total + 0.5])
+    assert row.makespan == pytest.approx(result.makespan_total, rel=1e-9)
+    assert row.outside == pytest.approx(0.5)
+    assert row.costs["H"] == pytest.approx(costs.vocab.shard_times(costs, 2)[0])
