@@ -220,3 +220,31 @@ def test_vshape_plot_draws_the_vocabulary_passes(tmp_path, capsys):
                  "-o", str(out)]) == 0
     svg = out.read_text()
     assert "H (vocabulary" in svg and "G (vocabulary weight grad)" in svg
+
+
+@pytest.mark.parametrize("name", ["v-zb", "1f1b", "v-half"])
+def test_a_timing_run_with_a_horizon_times_every_pass_that_starts_by_it_as_the_full_run_does(name):
+    """The H placement's trials time only a little past the pace they are judged by (timing.run_id_programs
+    with ``horizon_pass``): every pass they do time has the full run's times, and every pass starting by the
+    horizon pass's end plus the longest pass and message is timed."""
+    from megatron_vshape.schedules.core.ready import UNSET, input_table
+    from megatron_vshape.schedules.core.simulator import pass_durations
+    from megatron_vshape.schedules.core.timing import PassIds, run_id_programs
+
+    costs = replace(UNEQUAL, vocab=VocabWork(0.9, 0.9, 0.9))
+    schedule = get_schedule(name, 4, 12, costs)
+    ids = PassIds(schedule.num_stages, 12)
+    table = input_table([schedule.placement.device_of(s) for s in range(schedule.num_stages)], 12, costs.comm,
+                        schedule.fused_backward, 4)
+    durations = pass_durations(schedule, costs)
+    programs = [[ids.of(a) for a in program] for program in schedule.programs]
+    full = run_id_programs(programs, ids, durations, table, 4)
+    last = schedule.num_stages - 1
+    horizon_pass = ids.of(Action(Kind.F, last, 4))
+    part = run_id_programs(programs, ids, durations, table, 4, horizon_pass=horizon_pass)
+    horizon = full.end[horizon_pass] + max(durations) + costs.comm
+    every = [x for program in programs for x in program]
+    timed = [x for x in every if part.end[x] != UNSET]
+    assert all((part.start[x], part.end[x]) == (full.start[x], full.end[x]) for x in timed)
+    assert all(part.end[x] != UNSET for x in every if full.start[x] <= horizon)
+    assert len(timed) < len(every)  # it did stop early

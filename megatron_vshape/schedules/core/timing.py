@@ -19,6 +19,7 @@ on one in-order queue), and then all start together.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -106,9 +107,12 @@ class TimedPrefix:
 
 
 def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple[float, ...], table,
-                    vocab_shards: int = 0, prefix: TimedPrefix | None = None) -> ProgramTimes:
+                    vocab_shards: int = 0, prefix: TimedPrefix | None = None, horizon_pass: int = -1) -> ProgramTimes:
     """:func:`run_programs` on programs of pass ids, its input table given; from ``prefix`` when given
-    (the passes in it are not timed again; the lists are copied)."""
+    (the passes in it are not timed again; the lists are copied). With ``horizon_pass`` (a pass id) the run
+    stops early: once that pass is timed, a device stops when it is free later than the pass's end plus the
+    longest pass and message (every pass starting by then is timed, the rest are left UNSET and the
+    device's cursor short: a caller that looks only that far ahead pays for no more)."""
     m, per_kind = ids.num_microbatches, ids.per_kind
     kinds = 5 if vocab_shards else 3
     if prefix is None:
@@ -126,12 +130,16 @@ def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple
     end_collective = 4 * per_kind
     arrived: dict[int, list[tuple[int, float, int]]] = {}  # microbatch -> (device, ready, pass id) at its H
     waiters: dict[int, list[int]] = {}
+    horizon = math.inf
+    slack = max(durations) + max(max(first_delay), max(second_delay)) if horizon_pass >= 0 else 0.0
     queue = deque(range(len(id_programs)))
     while queue:
         device = queue.popleft()
         program, c, now = id_programs[device], cursor[device], free[device]
         length = len(program)
         while c < length:
+            if now > horizon:
+                break  # past the horizon: left untimed (nothing the caller reads waits on it)
             x = program[c]
             if x < 0:
                 break  # not a pass of this schedule: stays stuck
@@ -176,6 +184,8 @@ def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple
             start[x] = ready
             now = ready + durations[k]
             end[x] = now
+            if x == horizon_pass:
+                horizon = now + slack
             if waiters:
                 woken = waiters.pop(x, None)
                 if woken:

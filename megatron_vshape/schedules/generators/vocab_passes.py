@@ -75,8 +75,11 @@ class _HPlacer:
         self.forwards = [self.ids.of(a) for a in schedule.programs[self.holder]
                          if a.kind is Kind.F and a.stage == last]
 
-    def run(self, programs: list[list[int]], prefix: TimedPrefix | None) -> ProgramTimes:
-        return run_id_programs(programs, self.ids, self.durations, self.table, self.num_devices, prefix)
+    def run(self, programs: list[list[int]], prefix: TimedPrefix | None, n: int | None = None) -> ProgramTimes:
+        """The programs timed from ``prefix``; with ``n``, only as far as the n-th rendezvous's trials look:
+        to a little past the end of the last stage's next forward (its pace; every pass starting by then)."""
+        horizon = self.forwards[n + 1] if n is not None and n + 1 < len(self.forwards) else -1
+        return run_id_programs(programs, self.ids, self.durations, self.table, self.num_devices, prefix, horizon)
 
     def trials(self, programs: list[list[int]], times: ProgramTimes, prefix: TimedPrefix | None,
                n: int) -> list[_Trial]:
@@ -85,14 +88,17 @@ class _HPlacer:
         k = forward % self.m
         lowest = prefix.cursor if prefix else (0,) * self.num_devices
         after = programs[self.holder].index(forward) + 1  # the last stage's H: right after its F
-        out = []
+        out, seen = [], set()
         for meet in _meeting_times(programs, times, lowest, times.end[forward], self.holder):
             breaks = tuple(after if device == self.holder
                            else _passes_by(program, times.end, lowest[device], times.cursor[device], meet)
                            for device, program in enumerate(programs))
+            if breaks in seen:
+                continue  # another meeting time gave the same places: the same trial
+            seen.add(breaks)
             trial = [[*program[:at], self.ids.of(Action(VocabKind.H, device, k)), *program[at:]]
                      for device, (program, at) in enumerate(zip(programs, breaks))]
-            trial_times = self.run(trial, prefix)
+            trial_times = self.run(trial, prefix, n)
             if trial_times.end[trial[self.holder][after]] < 0:
                 continue  # H never meets: a device waits, before its H, on a pass that follows another's H
             pace = (trial_times.end[self.forwards[n + 1]] if n + 1 < len(self.forwards)
@@ -112,6 +118,7 @@ class _HPlacer:
             return min((t.pace for t in after), default=float("inf"))
 
         return min(trials, key=lambda trial: (round(next_pace(trial), 9), round(trial.pace, 9)))
+
 
 def _place_h(schedule: Schedule, costs: Costs) -> tuple[tuple[Action, ...], ...]:
     """The programs with every shard's H placed, one rendezvous at a time in the last stage's forwards'
