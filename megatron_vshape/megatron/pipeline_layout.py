@@ -120,6 +120,8 @@ def planner_model(args):
     if not vocab:
         raise LayoutError(f"{FLAG} {BALANCED} weighs the LM head by the vocabulary, unknown before the tokenizer "
                           "loads; give --vocab-size N or explicit counts N0,N1,...")
+    if not args.num_layers:  # HybridModel: the layers come from --hybrid-layer-pattern, not GPT's FLOPs model
+        raise LayoutError(f"{FLAG} {BALANCED} weighs GPT layers; this model gives no --num-layers")
     return GPTModel("training", args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, vocab)
 
 

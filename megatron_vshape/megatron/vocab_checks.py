@@ -66,8 +66,10 @@ def _refusals(args, core_version: str):
     if getattr(args, "mtp_num_layers", None):
         yield (f"{FLAG}: multi-token prediction (--mtp-num-layers) keeps an embedding and an output layer on its "
                "stage; drop --mtp-num-layers")
-    if hybrid_pattern.is_hybrid(args):
-        yield f"{FLAG}: only GPTModel is checked (pretrain_gpt.py); HybridModel is not supported yet; drop {FLAG}"
+    pattern = hybrid_pattern.pattern_text(args)
+    if pattern and hybrid_pattern.HybridPattern.parse(pattern).mtp:
+        yield (f"{FLAG}: the multi-token-prediction part of --hybrid-layer-pattern (after '/') keeps an embedding "
+               "and an output layer on its stage; drop it from the pattern")
     if (getattr(args, "context_parallel_size", None) or 1) > 1:
         yield (f"{FLAG}: context parallelism is not checked with the vocabulary passes yet; drop "
                "--context-parallel-size (or set it to 1)")

@@ -69,6 +69,7 @@ from .vocab_checks import FLAG, check_vocab_sizes
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"  # the checkpoint keys of a run without the flag
 OUTPUT_KEY = "output_layer.weight"
+OUTPUT_EXTRA_STATE = "output_extra_state"  # the state-dict name of the output layer's extra state (HybridModel)
 
 
 # --- the hooks in the stripped chunks ------------------------------------------------------------------
@@ -215,6 +216,9 @@ class VocabShardLayers(torch.nn.Module):
         # Plain attributes (not submodules): the embedding input lives in the first stage's chunk.
         object.__setattr__(self, "embedding_input", None)
         object.__setattr__(self, "final_output", None)
+        # On the rank of the last stage of a model whose checkpoints keep the output layer's (empty) extra state
+        # (HybridModel: GPTModel drops it), the shards write it too, so a run without the flag finds it.
+        self.output_extra_state = False
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -288,9 +292,20 @@ class VocabShardLayers(torch.nn.Module):
         entries = [("embedding_weight", self.embedding_weight, EMBEDDING_KEY)]
         if not self.tied:
             entries.append(("output_weight", self.output_weight, OUTPUT_KEY))
-        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(
+        out = {f"{prefix}{name}": ShardedTensor.from_rank_offsets(
             f"{model_prefix}{key}", param, fragment, replica_id=replica_id, allow_shape_mismatch=True)
             for name, param, key in entries}
+        if self.output_extra_state:
+            from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+            # As the output layer's own (ColumnParallelLinear: None; one copy, TP and DP replicas of it).
+            out[f"{prefix}{OUTPUT_EXTRA_STATE}"] = ShardedObject(
+                f"{model_prefix}output_layer._extra_state", None, (1,), (0,), replica_id=(0, self.tp_rank, replica_id[2]))
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.pop(prefix + OUTPUT_EXTRA_STATE, None)  # written for runs without the flag; nothing to restore
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _dp_rank(self, metadata: dict | None) -> int:
         group = (metadata or {}).get("dp_cp_group") or self.dp_cp_group
@@ -376,10 +391,19 @@ def install_vocab_parallel(chunks, placement: Placement, *, tp_group=None, pp_gr
     if not tied:
         _scatter_rows(layers.output_weight, output_source, placement.device_of(placement.num_stages - 1), pp_group)
     del embedding_source, output_source  # the full copies go with the last reference
+    layers.output_extra_state = final_output is not None and not _drops_output_extra_state(models[0])
     object.__setattr__(layers, "embedding_input", embedding_input)
     object.__setattr__(layers, "final_output", final_output)
     models[0].add_module(LAYERS_NAME, layers)
     return layers
+
+
+def _drops_output_extra_state(model) -> bool:
+    """Whether ``model``'s checkpoints leave out the output layer's (empty) ``_extra_state``: GPTModel's
+    ``sharded_state_dict`` pops it, HybridModel's keeps it."""
+    from megatron.core.models.gpt import GPTModel
+
+    return isinstance(model, GPTModel)
 
 
 def _check_chunk(model, spec, config, padded_vocab: int, tied: bool) -> None:

@@ -150,3 +150,41 @@ def test_v_schedules_train_hybrid_model_on_megatron_main(mc19_python, megatron_m
                    env=main_env)
     assert_runs_the_checkouts_megatron(losses["stdout"], megatron_main)
     assert_same_losses(_losses(main_hybrid_1f1b), _losses(losses))
+
+
+# --- --pipeline-vocab-parallel on HybridModel: its embedding, output layer and loss are GPTModel's -----------
+VOCAB_FLAG = "--pipeline-vocab-parallel"
+
+
+@pytest.fixture(scope="module")
+def v_zb_vocab(mc19_python, client_dir, checkpoints) -> dict:  # noqa: F811
+    """V-ZB with the flag from scratch, PP 2; saves at iteration 2 (vocabulary shards in Megatron's layout)."""
+    return train(mc19_python, hybrid(client_dir), "v-zb", 2,
+                 ["--hybrid-layer-pattern", PATTERN, *MOE, VOCAB_FLAG, "--save", str(checkpoints / "hybrid-vocab"),
+                  "--save-interval", "2"], [1, 2, 3])
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT + 60)
+def test_vocab_parallel_trains_hybrid_model_like_megatron_1f1b(megatron_1f1b, v_zb_vocab, checkpoints):
+    """The embedding, LM head and loss sharded over both pipeline ranks and run as V-ZB's H and G passes:
+    Megatron's own 1F1B losses (without the flag) in training and in the evaluations."""
+    assert "vocabulary passes MiB per pipeline rank, held from H to G" in v_zb_vocab["stdout"]
+    assert_same_losses(_losses(megatron_1f1b), _losses(v_zb_vocab))
+    assert (checkpoints / "hybrid-vocab" / "iter_0000002").is_dir()
+
+
+@pytest.mark.extended  # two launches that resume across the flag: -m extended
+@pytest.mark.timeout(3 * RUN_TIMEOUT + 60)
+def test_hybrid_checkpoints_resume_across_the_vocab_flag_both_ways(mc19_python, client_dir, megatron_1f1b,  # noqa: F811
+                                                                    v_zb_vocab, checkpoints):
+    """V-Half without the flag resumes the flag's checkpoint, and V-Min with the flag resumes Megatron's own
+    1F1B checkpoint: iteration 3 and the evaluations are 1F1B's."""
+    without = train(mc19_python, hybrid(client_dir), "v-half", 2,
+                    ["--hybrid-layer-pattern", PATTERN, *MOE, "--load", str(checkpoints / "hybrid-vocab"),
+                     "--ckpt-step", "2"], [3])
+    with_flag = train(mc19_python, hybrid(client_dir), "v-min", 2,
+                      ["--hybrid-layer-pattern", PATTERN, *MOE, VOCAB_FLAG, "--load", str(checkpoints / "hybrid"),
+                       "--ckpt-step", "2"], [3])
+    for resumed in (without, with_flag):
+        assert "successfully loaded checkpoint" in resumed["stdout"]
+        assert_same_losses(_after_iteration_2(megatron_1f1b), _losses(resumed))

@@ -712,6 +712,7 @@ def test_check_vocab_parallel_accepts_what_it_supports():
     check_vocab_parallel(_args(pipeline_schedule="zb-1p", sequence_parallel=True, untie_embeddings_and_output_weights=True),
                          core_version="0.20.0rc0+d98e8a64")
     check_vocab_parallel(_args(pipeline_schedule="interleaved-1f1b"), core_version="0.19.2")  # run by our executor
+    check_vocab_parallel(_args(hybrid_layer_pattern="*-*E*-*E"), core_version="0.19.2")  # HybridModel
 
 
 @pytest.mark.parametrize("overrides, core_version, words", [
@@ -719,7 +720,7 @@ def test_check_vocab_parallel_accepts_what_it_supports():
     ({"pipeline_schedule": None}, "0.19.2", "not in Megatron's default schedule; choose a --pipeline-schedule"),
     ({"ckpt_format": "torch"}, "0.19.2", "not --ckpt-format torch; use --ckpt-format torch_dist"),
     ({"mtp_num_layers": 1}, "0.19.2", "drop --mtp-num-layers"),
-    ({"hybrid_layer_pattern": "M*M*"}, "0.19.2", "HybridModel is not supported"),
+    ({"hybrid_layer_pattern": "M*M*/MM"}, "0.19.2", "multi-token-prediction part of --hybrid-layer-pattern"),
     ({"context_parallel_size": 2}, "0.19.2", "drop --context-parallel-size"),
     ({"defer_embedding_wgrad_compute": True}, "0.19.2", "drop --defer-embedding-wgrad-compute"),
     ({"use_mup": True}, "0.19.2", "drop --use-mup"),
