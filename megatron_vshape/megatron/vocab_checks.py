@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import sys
 
+from ..vocab_shards import padded_vocab_size, splits_evenly
 from . import hybrid_pattern
 from .flags import ConfigError
 
@@ -24,20 +25,14 @@ def check_vocab_sizes(padded_vocab: int, tp: int, pp: int, divisible_by: int | N
     Megatron pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by`` x TP, so a value that
     is a multiple of PP always splits. ``divisible_by``: the value in force, for the suggestion.
     """
-    parts = tp * pp
-    if padded_vocab % parts == 0:
+    if splits_evenly(padded_vocab, tp, pp):
         return
+    parts = tp * pp
     suggestion = math.lcm(divisible_by or 128, pp)
     raise ConfigError(
         f"{FLAG}: the padded vocabulary ({padded_vocab} rows) does not split into {parts} equal shards "
         f"(TP {tp} x PP {pp}), which checkpoints need; set --make-vocab-size-divisible-by to a multiple of "
         f"{pp}, e.g. {suggestion} (Megatron pads to a multiple of it x TP)")
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padded vocabulary size (``_vocab_size_with_padding``)."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def _version_tuple(text: str) -> tuple[int, ...] | None:

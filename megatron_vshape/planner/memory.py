@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..schedules.core.actions import Kind, VocabKind
 from ..schedules.core.simulator import SimulationResult
+from ..vocab_shards import shard_sizes
 from .model import GPTModel
 from .parallel_layout import ParallelLayout, stage_layers
 
@@ -57,13 +58,6 @@ def stage_starts(layers) -> list[int]:
     return starts
 
 
-def shard_rows(rows: int, parts: int) -> tuple[int, ...]:
-    """Rows of each of ``parts`` contiguous parts, the first ``rows % parts`` one longer (the runtime's
-    split of the vocabulary over the pipeline ranks, runtime/vocab_parallel.py)."""
-    base, extra = divmod(rows, parts)
-    return tuple(base + (1 if index < extra else 0) for index in range(parts))
-
-
 def vocab_params_per_device(model: GPTModel, stages_per_device, num_stages: int,
                             vocab_parallel: bool = False) -> tuple[float, ...]:
     """Parameters of the vocabulary layers (the word embedding and the output layer's matrix) on each
@@ -77,7 +71,7 @@ def vocab_params_per_device(model: GPTModel, stages_per_device, num_stages: int,
     if vocab_parallel:
         matrices = model.vocab_layer_params // model.vocab_matrix_params
         return tuple(float(rows * model.hidden * matrices)
-                     for rows in shard_rows(model.padded_vocab, len(stages_per_device)))
+                     for rows in shard_sizes(model.padded_vocab, len(stages_per_device)))
     one = float(model.vocab_matrix_params)
     return tuple(one * ((0 in stages) + (num_stages - 1 in stages)) for stages in stages_per_device)
 
@@ -117,7 +111,7 @@ def vocab_activation_bytes(model: GPTModel, layout: ParallelLayout) -> tuple[flo
     final hidden state the weight gradient reads (bf16, every token of the microbatch). Alive only inside
     H: the shard's fp32 logits and softmax (the loss's statistics)."""
     tokens = layout.micro_batch * model.seq_length / layout.cp
-    rows = shard_rows(-(-model.padded_vocab // layout.tp), layout.pp)[0]
+    rows = shard_sizes(-(-model.padded_vocab // layout.tp), layout.pp)[0]
     return 2.0 * tokens * rows + 2.0 * tokens * model.hidden, 8.0 * tokens * rows
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from ..vocab_shards import padded_vocab_size
 from .layers import BUILDERS, SYMBOLS, LayerCost, Shape, attention, combine, mlp, moe
 
 
@@ -94,8 +95,7 @@ class GPTModel:
 
     def padded_vocab_at(self, tp: int) -> int:
         """Megatron's ``_vocab_size_with_padding`` at TP ``tp`` (a multiple of --make-vocab-size-divisible-by x TP)."""
-        step = self.make_vocab_divisible_by * tp
-        return -(-self.vocab // step) * step
+        return padded_vocab_size(self.vocab, self.make_vocab_divisible_by, tp)
 
     @cached_property
     def shape(self) -> Shape:

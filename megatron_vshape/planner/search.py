@@ -18,6 +18,7 @@ from functools import lru_cache
 
 from ..schedules.core.schedule import ScheduleError
 from ..schedules.generators.registry import SCHEDULES
+from ..vocab_shards import splits_evenly
 from .costs import CostModel
 from .memory import RESERVED_BYTES, bytes_per_param
 from .model import GPTModel
@@ -197,7 +198,7 @@ def vocab_problem(layout: ParallelLayout, model: GPTModel) -> str | None:
     if layout.cp > 1:
         return "--pipeline-vocab-parallel does not run with context parallelism"
     padded = model.padded_vocab_at(layout.tp)
-    if padded % (layout.tp * layout.pp):
+    if not splits_evenly(padded, layout.tp, layout.pp):
         return (f"--pipeline-vocab-parallel: the padded vocabulary ({padded}) does not split into TP {layout.tp} x "
                 f"PP {layout.pp} equal shards; set --make-vocab-size-divisible-by to a multiple of PP")
     return None

@@ -26,9 +26,10 @@ memory estimate uses.
 from __future__ import annotations
 
 from ..schedules.core.schedule import Costs, VocabWork
+from ..vocab_shards import shard_sizes
 from .balance import StageExtras
 from .costs import CostModel, PassTimes
-from .memory import shard_rows, vocab_activation_bytes
+from .memory import vocab_activation_bytes
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
 
@@ -43,7 +44,7 @@ def head_seconds(model: GPTModel, layout: ParallelLayout, times: PassTimes) -> t
     the first ``rows % p`` shards one row more)."""
     head = StageExtras.from_flops(model).head
     rows = -(-model.padded_vocab // layout.tp)
-    covered = shard_rows(rows, layout.pp)[0] * layout.pp * layout.tp / model.padded_vocab
+    covered = shard_sizes(rows, layout.pp)[0] * layout.pp * layout.tp / model.padded_vocab
     return tuple(x * t * covered for x, t in zip(head, (times.f, times.b, times.w)))
 
 

@@ -2,7 +2,7 @@
 
 Megatron shards the vocabulary rows over the tensor-parallel ranks. Here each TP shard is sharded again
 over the p pipeline ranks: pipeline rank s holds the s-th contiguous part of its TP shard's rows
-(:func:`shard_rows`; parts differ by at most one row when p does not divide them). The input embedding,
+(:func:`..vocab_shards.shard_rows`; parts differ by at most one row when p does not divide them). The input embedding,
 the output layer and the cross-entropy then run on every pipeline rank, each on its rows, instead of all
 on the first and last stage (on a V placement both sit on device 0).
 
@@ -36,15 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-def shard_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
-    """``[start, end)`` of part ``index`` when ``rows`` split into ``parts`` contiguous parts, the first
-    ``rows % parts`` parts one row longer."""
-    if not 0 <= index < parts:
-        raise ValueError(f"part {index} of {parts}")
-    base, extra = divmod(rows, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
+from ..vocab_shards import shard_rows
 
 
 @dataclass(frozen=True)
