@@ -408,7 +408,7 @@ def _drops_output_extra_state(model) -> bool:
 
 def _check_chunk(model, spec, config, padded_vocab: int, tied: bool) -> None:
     if not all(hasattr(model, name) for name in ("pre_process", "post_process", "decoder", "vocab_size")):
-        raise ConfigError(f"{FLAG}: model chunks must be megatron-core GPTModels, not {type(model).__name__}")
+        raise ConfigError(f"{FLAG}: model chunks must be megatron-core GPTModels or HybridModels, not {type(model).__name__}")
     if (bool(model.pre_process), bool(model.post_process)) != (spec.pre_process, spec.post_process):
         raise ConfigError(f"{FLAG}: the chunk of stage {spec.stage} was built with pre_process={model.pre_process}, "
                           f"post_process={model.post_process}; its placement says {spec.pre_process}, {spec.post_process}")
