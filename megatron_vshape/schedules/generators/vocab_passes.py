@@ -107,17 +107,19 @@ class _HPlacer:
                 out.append(_Trial(pace, breaks, trial, trial_times))
         return out
 
-    def best(self, trials: list[_Trial], n: int) -> _Trial:
+    def best(self, trials: list[_Trial], n: int) -> tuple[_Trial, list[_Trial] | None]:
         """The trial whose next rendezvous can come earliest (then the earliest pace itself): one step of
-        look-ahead, because a rendezvous that meets late can let the next one meet early."""
+        look-ahead, because a rendezvous that meets late can let the next one meet early. Returned with the
+        next rendezvous's trials after it where the look-ahead timed them (the next step starts from them)."""
         if len(trials) == 1 or n + 1 == len(self.forwards):
-            return min(trials, key=lambda trial: round(trial.pace, 9))
+            return min(trials, key=lambda trial: round(trial.pace, 9)), None
+        ahead = [self.trials(trial.programs, trial.times, _prefix_through(trial), n + 1) for trial in trials]
 
-        def next_pace(trial: _Trial) -> float:
-            after = self.trials(trial.programs, trial.times, _prefix_through(trial), n + 1)
-            return min((t.pace for t in after), default=float("inf"))
+        def key(i: int) -> tuple[float, float]:
+            return round(min((t.pace for t in ahead[i]), default=float("inf")), 9), round(trials[i].pace, 9)
 
-        return min(trials, key=lambda trial: (round(next_pace(trial), 9), round(trial.pace, 9)))
+        chosen = min(range(len(trials)), key=key)
+        return trials[chosen], ahead[chosen]
 
 
 def _place_h(schedule: Schedule, costs: Costs) -> tuple[tuple[Action, ...], ...]:
@@ -125,13 +127,13 @@ def _place_h(schedule: Schedule, costs: Costs) -> tuple[tuple[Action, ...], ...]
     order (see the module's docstring)."""
     placer = _HPlacer(schedule, costs)
     programs = [[placer.ids.of(action) for action in program] for program in schedule.programs]
-    times, prefix = placer.run(programs, None), None
+    times, prefix, ahead = placer.run(programs, None), None, None
     for n in range(len(placer.forwards)):
-        trials = placer.trials(programs, times, prefix, n)
+        trials = ahead if ahead is not None else placer.trials(programs, times, prefix, n)
         if not trials:
             raise ScheduleError(f"{schedule.name}: no place for the vocabulary pass H of microbatch "
                                 f"{placer.forwards[n] % placer.m}")
-        chosen = placer.best(trials, n)
+        chosen, ahead = placer.best(trials, n)
         programs, times, prefix = chosen.programs, chosen.times, _prefix_through(chosen)
     return tuple(tuple(placer.ids.action(x) for x in program) for program in programs)
 
