@@ -82,9 +82,10 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
                 cpu[name].append(busy)
                 if name in ran:
                     ran[name].append(list(rows[name][0].last_timeline))
-    vocab_passes = _pass_means(rows[VOCAB][0].last_timeline)
-    in_run = {name: _simulate_as_ran(rows[name][0].schedule(world_size, microbatches), _gathered(passes), times[name])
-              for name, passes in ran.items()}
+    gathered = {name: _gathered(passes) for name, passes in ran.items()}
+    vocab_passes = _pass_means([passes[-1] for passes in gathered[VOCAB]])  # the last timed call
+    in_run = {name: _simulate_as_ran(rows[name][0].schedule(world_size, microbatches), by_rank, times[name])
+              for name, by_rank in gathered.items()}
     parallel_state.destroy_model_parallel()
     predicted = {"uniform": 1.0, FLOPS: flops_choice.iteration_time / flops_choice.reference_time,
                  MEASURED: measured_choice.iteration_time / measured_choice.reference_time,
@@ -130,8 +131,9 @@ def _simulate_as_ran(schedule, by_rank: list, walls: list[float]) -> InRunPredic
     (``walls[i]`` less the span from the first pass's start on any rank to the last one's end) is added."""
     from collections import defaultdict
 
+    from megatron_vshape.runtime.replan import typical_chunk, with_measured_stages
     from megatron_vshape.schedules.core.actions import Kind, VocabKind
-    from megatron_vshape.schedules.core.schedule import Costs, StageWork, VocabWork
+    from megatron_vshape.schedules.core.schedule import Costs, VocabWork
     from megatron_vshape.schedules.core.simulator import simulate
 
     layers = defaultdict(list)  # (kind, stage) -> seconds
@@ -150,18 +152,13 @@ def _simulate_as_ran(schedule, by_rank: list, walls: list[float]) -> InRunPredic
         first = min(p[0][1] for p in spans if p)
         last = max(p[-1][2] for p in spans if p)
         outside.append(max(wall - (last - first), 0.0))
+    # Each stage's mean F, B, W per V chunk's layers (-1: none ran), as the executor's re-plan reads them.
     scale = schedule.placement.layer_scale
-    kinds = (Kind.F, Kind.B, Kind.W)
-    per_stage = {key: statistics.fmean(values) / scale for key, values in layers.items()}
-    base = {kind: statistics.fmean(per_stage.get((kind, s), 0.0) for s in range(schedule.num_stages)) or 1e-9
-            for kind in kinds}
-    tiny = 1e-6  # a stage whose W ran inside its B (not deferred) has no W time of its own
-
-    def work(stage):
-        return StageWork(*(max(per_stage.get((kind, stage), 0.0) / base[kind], tiny) for kind in kinds))
-
-    f, b, w = (base[kind] for kind in kinds)
-    costs = Costs(f, b, w, stages=tuple(work(s) for s in range(schedule.num_stages)))
+    stage_seconds = [tuple(statistics.fmean(layers[kind, s]) / scale if layers[kind, s] else -1.0
+                           for kind in (Kind.F, Kind.B, Kind.W)) for s in range(schedule.num_stages)]
+    seconds = typical_chunk(stage_seconds)
+    f, b, w = seconds["f"], seconds["b"], seconds["w"]
+    costs = with_measured_stages(Costs(f, b, w), seconds, stage_seconds, Costs())
     measured = {"F": f, "B": b, "W": w}
     if schedule.vocab_parallel:
         h = statistics.fmean(end - start for start, end in (max(ranks) for ranks in rendezvous.values()))
@@ -214,17 +211,16 @@ def measured_costs(stage_times, counts, num_layers: int, pp: int):
     return costs, StageExtras(embedding=surplus(0), head=surplus(len(counts) - 1))
 
 
-def _pass_means(timeline) -> dict[str, float]:
-    """Mean seconds of each kind of pass (F, B, W, H, G) of one call, over all ranks."""
-    import torch
+def _pass_means(by_rank: list) -> dict[str, float]:
+    """Mean seconds of each kind of pass (F, B, W, H, G) of one call, over all ranks (``by_rank``: each rank's
+    (action, start, end) of that call)."""
+    from collections import defaultdict
 
-    kinds = "FBWHG"
-    sums = torch.zeros(2, len(kinds), dtype=torch.float64)
-    for action, start, end in timeline:
-        sums[0, kinds.index(action.kind.value)] += end - start
-        sums[1, kinds.index(action.kind.value)] += 1
-    torch.distributed.all_reduce(sums)
-    return {kind: (sums[0, i] / sums[1, i]).item() for i, kind in enumerate(kinds) if sums[1, i] > 0}
+    seconds = defaultdict(list)
+    for passes in by_rank:
+        for action, start, end in passes:
+            seconds[action.kind.value].append(end - start)
+    return {kind: statistics.fmean(seconds[kind]) for kind in "FBWHG" if seconds[kind]}
 
 
 def _spread_pass_times(schedule, pp, spread) -> dict[str, float]:
