@@ -57,12 +57,17 @@ class BucketLauncher:
     ``launches`` records, in order, ``(chunk index, bucket group)`` for each launch it made (the
     tests read it). ``split``: the iteration defers W (else nothing here applies); ``launch_early``:
     launch buckets during the pass loop (off when tied copies on one rank are summed after it, so the
-    executor's end-of-iteration start launches everything).
+    executor's end-of-iteration start launches everything). ``store_of`` returns the weight-gradient
+    store *now*: it is created on the first deferred B of the executor's first call, so a store read
+    once before the pass loop is None for that whole call, and every weight W still owed would
+    count as ready at its chunk's last B (the regression of 86de5c4: the first iteration's buckets
+    reduced before their W had added to them).
     """
 
     def __init__(self, models, plan: DevicePlan, chunk_of_stage: Callable[[int], int], split: bool,
-                 launch_early: bool = True):
+                 store_of: Callable[[], object | None], launch_early: bool = True):
         self.models = models
+        self._store_of = store_of
         self.chunks: dict[int, _ChunkGroups] = {}
         self.launches: list[tuple[int, object]] = []
         self._last_b: dict[int, int] = {}  # stage -> step index of its last B
@@ -95,7 +100,7 @@ class BucketLauncher:
             for config in self._overlapped.values():
                 config.overlap_grad_reduce = True
 
-    def after_pass(self, step_index: int, stage: int, kind: Kind, store) -> None:
+    def after_pass(self, step_index: int, stage: int, kind: Kind) -> None:
         """After a pass: at the chunk's last B, everything but the weights W still owes is ready."""
         if kind is not Kind.B or self._last_b.get(stage) != step_index:
             return
@@ -104,6 +109,7 @@ class BucketLauncher:
         if chunk is None:
             return
         chunk.last_b_done = True
+        store = self._store_of()  # None: no B of this rank has deferred anything yet, so nothing is owed
         owed = store.weights_owed(lambda key: key[0] == chunk_index) if store is not None else set()
         if owed is None:  # a pending task that does not name its weight: launch at the chunk's end
             return
@@ -111,11 +117,12 @@ class BucketLauncher:
             if id(param) not in owed:
                 self._ready(chunk_index, chunk, param)
 
-    def weight_done(self, chunk_index: int, store) -> Callable[[object], None]:
+    def weight_done(self, chunk_index: int) -> Callable[[object], None]:
         """The callback for one W's tasks: a weight no pending task holds any more is ready."""
         chunk = self.chunks.get(chunk_index)
         if chunk is None:
             return lambda task: None
+        store = self._store_of()  # a W runs tasks, so the store exists
 
         def done(task) -> None:
             weight = getattr(task, "weight", None)

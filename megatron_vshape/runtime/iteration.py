@@ -146,7 +146,7 @@ class Iteration:
         # epilogue) after the pass loop: every chunk's reduction waits for the end of the loop.
         self.reduce_after_loop = self.tied_local or self.vocab is not None
         self.launcher = BucketLauncher(models, self.plan, self.placement.chunk_of, split=bool(self.deferred),
-                                       launch_early=not self.reduce_after_loop)
+                                       store_of=lambda: self.wgrad.store, launch_early=not self.reduce_after_loop)
         shape = [call.seq_length // self.cp_size, call.micro_batch_size, self.config.hidden_size]
         if self.config.sequence_parallel:
             shape[0] //= setup.groups.tp_size
@@ -213,7 +213,6 @@ class Iteration:
         pass_times = [] if self.setup.record_passes else None
         spans = exchange.timeline = self.setup.spans  # where the wall time goes (timeline.py)
         clock = self.setup.clock
-        store = self.wgrad.store
         with _GradSyncControl(self.config, self.models, enabled=not self.forward_only,
                               launcher=self.launcher) as grad_sync:
             if self.vocab is not None:
@@ -241,7 +240,7 @@ class Iteration:
                 if pass_times is not None:
                     pass_times.append((step.action, start, time.perf_counter()))
                 progress.finished(str(step.action))
-                self.launcher.after_pass(index, step.action.stage, step.action.kind, store)
+                self.launcher.after_pass(index, step.action.stage, step.action.kind)
                 # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
                 # their reductions wait until the whole iteration's backward is done.
                 for chunk_index in () if self.reduce_after_loop else step.reduces_grads_of:
@@ -404,7 +403,7 @@ class Iteration:
     def _backward_weight(self, action: Action) -> None:
         if Action(Kind.B, action.stage, action.microbatch) in self.deferred:
             index = self.chunk_of(action.stage).index
-            self.wgrad.run((index, action.microbatch), self.launcher.weight_done(index, self.wgrad.store))
+            self.wgrad.run((index, action.microbatch), self.launcher.weight_done(index))
 
     def _deliver(self, action: Action, tensor, payload: Payload, exchange, step: ProgramStep) -> None:
         """Send the output of ``action`` to its consumer, or hand it over on this rank."""

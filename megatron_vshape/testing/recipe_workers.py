@@ -5,11 +5,12 @@ full uniform / block), MoE with expert parallelism (alltoall dispatcher, auxilia
 overlap (``--overlap-grad-reduce``: buckets launch during the pass loop, at their last W under a
 split backward). The reference is the same GPT in one process (all experts local, no recomputation,
 the ordinary fused backward); each pipeline run does ``iterations`` iterations on the same weights
-and data and compares the gradients of the last one with the reference.
+and data and compares the gradients of every one with the reference.
 
 ``sync_bucket_launch`` makes every bucket reduction complete at its launch: a bucket launched before
 the last W of one of its weights then ends up with that W's contribution un-reduced, which the
-gradient check sees (with asynchronous launches it would be a race). Every bucket must also be
+gradient check sees deterministically. Without it the launch is asynchronous, as in a real run (gloo's
+work runs on its own thread and reads the bucket while later passes run). Every bucket must also be
 launched before ``finalize_model_grads`` in every iteration (counted in ``late_launches``), or the
 reduction did not overlap anything.
 """
@@ -219,8 +220,9 @@ def _run_schedule(name: str, recompute: str, spec: RecipeSpec, reference: dict, 
     dp_rank = parallel_state.get_data_parallel_rank()
     indices = [dp_rank * spec.microbatches + i for i in range(spec.microbatches)]
     early, late, losses = [], [], []
+    worst, worst_name = 0.0, None
     with ActivationMeter.for_models(chunks, layers_only=True) as meter:
-        for _ in range(spec.iterations):
+        for iteration in range(spec.iterations):
             for m in model:
                 m.zero_grad_buffer()
             before = (launches.early, launches.late)
@@ -230,12 +232,13 @@ def _run_schedule(name: str, recompute: str, spec: RecipeSpec, reference: dict, 
                         micro_batch_size=spec.model.micro_batch_size, forward_only=False)
             early.append(launches.early - before[0])
             late.append(launches.late - before[1])
-    worst, worst_name = 0.0, None
-    for chunk, chunk_names in zip(chunks, names):
-        for local, param in chunk.named_parameters():
-            err = _rel_err(param.main_grad, reference["grads"][chunk_names[local]])
-            if err > worst:
-                worst, worst_name = err, chunk_names[local]
+            # Every iteration's gradients (same weights and data each time): the executor's first call is
+            # the one that creates its weight-gradient store, and a launch decided before that differs.
+            for chunk, chunk_names in zip(chunks, names):
+                for local, param in chunk.named_parameters():
+                    err = _rel_err(param.main_grad, reference["grads"][chunk_names[local]])
+                    if err > worst:
+                        worst, worst_name = err, f"{chunk_names[local]} (iteration {iteration + 1})"
     loss_err = max((abs(item["lm loss"].item() - reference["losses"][item["mb"]]) for item in losses), default=0.0)
     counts = getattr(fb, "last_wgrad_counts", None)
     return {"max_grad_rel_err": worst, "worst_param": worst_name, "max_loss_abs_err": loss_err,

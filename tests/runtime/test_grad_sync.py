@@ -54,8 +54,8 @@ def _setup(overlap=True):
 
 def test_buckets_launch_at_the_last_b_or_the_last_w_task_of_their_weights():
     log, (norm, w1, w2), config, model, plan = _setup()
-    launcher = BucketLauncher([model], plan, lambda stage: 0, split=True)
     store = WeightGradStore()
+    launcher = BucketLauncher([model], plan, lambda stage: 0, split=True, store_of=lambda: store)
     for index, step in enumerate(plan.steps):
         action = step.action
         if action.kind is Kind.B:
@@ -67,8 +67,8 @@ def test_buckets_launch_at_the_last_b_or_the_last_w_task_of_their_weights():
             assert config.overlap_grad_reduce is True
         elif action.kind is Kind.W:
             log.append(f"W{action.microbatch}")
-            store.run((0, action.microbatch), launcher.weight_done(0, store))
-        launcher.after_pass(index, action.stage, action.kind, store)
+            store.run((0, action.microbatch), launcher.weight_done(0))
+        launcher.after_pass(index, action.stage, action.kind)
         log.append(f"after {action.kind.value}{action.microbatch}")
     launcher.launch_rest(0)  # the executor's end-of-chunk call: nothing left to launch
     assert log == ["after F0", "after F1", "after B0", "bucket[norm]", "after B1",
@@ -80,8 +80,8 @@ def test_buckets_launch_at_the_last_b_or_the_last_w_task_of_their_weights():
 def test_without_overlap_or_split_nothing_is_launched_or_silenced():
     for overlap, split in ((False, True), (True, False)):
         log, _params, config, model, plan = _setup(overlap)
-        launcher = BucketLauncher([model], plan, lambda stage: 0, split=split)
+        launcher = BucketLauncher([model], plan, lambda stage: 0, split=split, store_of=WeightGradStore)
         with launcher.deferred_b(True):
             assert config.overlap_grad_reduce is overlap
-        launcher.after_pass(3, 0, Kind.B, WeightGradStore())
+        launcher.after_pass(3, 0, Kind.B)
         assert not launcher.launch_rest(0) and log == []
