@@ -1,4 +1,4 @@
-"""scripts/v_gap_search.py: the stronger searches that look for V-Min / V-Half gaps (issue 34)."""
+"""scripts/v_gap_search.py: the stronger searches that look for the generators' gaps (issues 34 and 44)."""
 
 from __future__ import annotations
 
@@ -54,11 +54,40 @@ def test_the_offsets_search_stays_within_the_cap():
 
 def test_the_table_and_its_markdown(tmp_path, capsys):
     out = tmp_path / "gaps.json"
-    assert v_gap_search.main(["--devices", "2", "--factors", "1", "--costs", "a_equal", "--seconds", "0.5",
-                              "--cpsat-seconds", "0", "--json", str(out), "--markdown"]) == 0
+    assert v_gap_search.main(["--devices", "2", "--factors", "1", "--costs", "a_equal", "--evaluations", "20",
+                              "--json", str(out), "--markdown"]) == 0
     text = capsys.readouterr().out
-    assert "2 cells, 0 where a search wins by more than 0.5%" in text
+    assert "2 cells: in 0 a search wins by more than 0.5%, in 0 the uniform-built order" in text
+    assert "| v-min | a_equal | 1 | - | 0 |" in text
     assert '"rows"' in out.read_text()
+
+
+def test_every_family_and_stage_set_runs_within_its_evaluations():
+    rows = [v_gap_search.search_cell(name, 4, 4, label, evaluations=15)
+            for name in v_gap_search.GENERATORS for label in ("a_equal", "hybrid")]
+    assert {r.schedule for r in rows} == {"v-min", "v-half", "v-zb", "zb-1p"}
+    for row in rows:
+        assert row.evaluations <= 15 and row.best_peak <= row.peak + 1e-9 and row.gain >= 0
+        assert row.uniform_gain <= 0.005  # the registry takes the uniform-built order where it is faster
+
+
+def test_stage_sets_are_drawn_once_per_stage_count():
+    one, again = v_gap_search.cell_costs("hybrid", 8), v_gap_search.cell_costs("hybrid", 8)
+    assert one == again and len(one.stages) == 8 and not one.uniform
+    assert v_gap_search.cell_costs("head1.9", 8).stages[-1].f == 1.9
+    assert v_gap_search.cell_costs("rand25", 8) != v_gap_search.cell_costs("rand25", 16)
+
+
+def test_a_uniform_built_order_that_wins_is_reported(monkeypatch):
+    """A generator that ignores nothing but builds worse for unequal stages: the column sees it."""
+    real = v_gap_search.GENERATORS["v-half"]
+
+    def worse_when_staged(d, m, costs):
+        return v_half_block(d).repeat(m, "plain") if not costs.uniform else real[0](d, m, costs)
+
+    monkeypatch.setitem(v_gap_search.GENERATORS, "v-half", (worse_when_staged, real[1]))
+    row = v_gap_search.search_cell("v-half", 4, 4, "head1.9", evaluations=10)
+    assert row.uniform_gain > 0.02
 
 
 # Issue 34's families (V-Half at m = d, V-Min at d % 3 == 0), where the authors' generator won by
