@@ -231,11 +231,27 @@ class VocabShardLayers(torch.nn.Module):
         """The vocabulary's ranks, as the collectives of the passes run over them: TP, then pipeline."""
         return (self.tp_group, self.pp_group)
 
+    def forward(self) -> None:
+        """Nothing; calling the module (:meth:`_weights_ready`) runs its forward pre-hooks.
+
+        Megatron's DDP under ``--overlap-param-gather`` waits for a parameter's all-gather in the forward
+        pre-hook of the module that owns it (and dispatches the gather there if nothing has yet). The
+        passes read the shards' weights directly, never through a forward, so without this the first
+        passes of an iteration (the prologue's lookup, the first S) read the rows the optimizer step left
+        before the gather brought every data-parallel rank's update: a silently wrong run.
+        """
+        return None
+
+    def _weights_ready(self) -> None:
+        """Before a pass reads the weights: whatever Megatron hooked on this module's forward runs first."""
+        self()
+
     # The input embedding.
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of the lookup of ``tokens`` ([b, s] -> [b, s, h]): its rows, zero elsewhere. No
         collective: the executor sums it over the TP group and then the pipeline group."""
+        self._weights_ready()
         return vp.embedding_partial(tokens, self.embedding_weight.detach(), self.shard)
 
     def embedding_weight_grad_task(self, tokens: torch.Tensor, grad_output: torch.Tensor) -> WeightGradTask:
@@ -258,6 +274,7 @@ class VocabShardLayers(torch.nn.Module):
         s, b, h = hidden.shape
         if tuple(labels.shape) != (b, s):
             raise RuntimeError(f"{FLAG}: labels of shape {tuple(labels.shape)} for a hidden state of [s, b] = [{s}, {b}]")
+        self._weights_ready()
         weight = self.output_weight.detach()
         state = vp.output_forward(hidden.detach().to(weight.dtype).reshape(s * b, h), weight,
                                   labels.t().reshape(s * b), self.shard, self.groups)
