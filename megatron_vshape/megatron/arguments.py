@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from ..schedules.generators.registry import SCHEDULES
 from . import hybrid_pattern, pipeline_layout
-from .checks import problems
+from .checks import AFTER_MEGATRON_CHECKS, problems
 from .feature_checks import SplitRoute, split_route, split_route_reason, uses_split_spec
 from .flags import (
     CPU_DEFAULTS,
@@ -202,6 +202,13 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     resolve_defaults(args)
     args._vshape_validated = True
     return args
+
+
+def validate_after_megatron(args: argparse.Namespace) -> None:
+    """The checks that read what Megatron's own validation derived, again (raising ConfigError)."""
+    found = problems(args, AFTER_MEGATRON_CHECKS)
+    if found:
+        raise ConfigError(found[0])
 
 
 def exit_on_error(func: Callable, *a, **kw):

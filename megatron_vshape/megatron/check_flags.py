@@ -100,7 +100,7 @@ def check(argv: list[str], te_version: str | None = None, world_size: int | None
     patch_python_compat()
     from megatron.training import arguments as megatron_arguments
 
-    from .arguments import add_arguments, validate
+    from .arguments import add_arguments, validate, validate_after_megatron
     from .feature_checks import split_route_reason
     from .flags import ConfigError
     from .install import effective_schedule
@@ -122,13 +122,18 @@ def check(argv: list[str], te_version: str | None = None, world_size: int | None
         return Verdict(False, one_line(err))
     saved_arch = megatron_arguments.get_device_arch_version
     megatron_arguments.get_device_arch_version = lambda: gpu_arch
+    validated = copy.copy(args)
     try:
         with _declared_te(version), _launch_environment(), contextlib.redirect_stdout(io.StringIO()):
-            megatron_arguments.validate_args(copy.copy(args))
+            megatron_arguments.validate_args(validated)
     except (AssertionError, ValueError, RuntimeError, TypeError) as err:
         return Verdict(False, f"Megatron refuses: {one_line(err) or type(err).__name__}")
     finally:
         megatron_arguments.get_device_arch_version = saved_arch
+    try:  # what training checks again once Megatron has derived its defaults (install does)
+        validate_after_megatron(validated)
+    except ConfigError as err:
+        return Verdict(False, one_line(err))
     spec = ":".join(args.spec) if getattr(args, "spec", None) else f"megatron's {args.transformer_impl} spec"
     return Verdict(True, f"accepted: --pipeline-schedule {effective_schedule(args)}, layer spec {spec}, "
                          f"split route: {route}")

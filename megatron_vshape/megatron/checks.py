@@ -283,6 +283,10 @@ CHECKS: tuple[Check, ...] = (
     check_cpu_features, check_context_parallel, check_split_conflicts, check_te_split, check_pipeline_costs,
     check_watchdog, check_save_writable, check_vocab_parallel,
 )
+# Checks that read what Megatron's validate_args derives (the padded vocabulary, megatron-core 0.19's
+# default --tensor-parallel-num-weight-shards): run before it, like every check, and again after it (and before
+# any rank builds a model), so a refusal is one line whichever of the two sees the problem first.
+AFTER_MEGATRON_CHECKS: tuple[Check, ...] = (check_vocab_parallel,)
 # Run only when CHECKS found nothing: building the schedule can take seconds at large sizes.
 FINAL_CHECKS: tuple[Check, ...] = (check_layout_resolves, check_schedule_builds)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import dataset_helpers, hybrid_pattern, pipeline_layout
-from .arguments import add_arguments, exit_on_error, validate
+from .arguments import add_arguments, exit_on_error, validate, validate_after_megatron
 from .checks import watchdog_seconds
 from .flags import AUTO_SCHEDULE, MEGATRON_OWN_SCHEDULES, V_SCHEDULE_NAMES
 from .model_chunks import v_stage_predicates, wrap_model_construction
@@ -61,6 +61,7 @@ def install(args: argparse.Namespace) -> None:
     if getattr(args, _INSTALLED, False):
         return
     validate(args)
+    validate_after_megatron(args)  # install runs after Megatron's validate_args: what it derived is there now
     if args.cpu:
         from .training_cpu import enable_training_cpu_mode
 

@@ -71,12 +71,10 @@ def _refusals(args, core_version: str):
     for dest, flag, why in _CONFLICTS:
         if getattr(args, dest, None):
             yield f"{FLAG}: {flag} {why}; drop {flag}"
-    shards = max(getattr(args, "gtp_weight_remat_size", None) or 1,
-                 getattr(args, "tensor_parallel_num_weight_shards", None) or 1)
-    if shards > 1:
-        yield (f"{FLAG}: --tensor-parallel-num-weight-shards shards Megatron's embedding weight itself; drop it "
-               "(or set it to 1)")
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    if weight_sharded_beyond_tp(args, tp):
+        yield (f"{FLAG}: --tensor-parallel-num-weight-shards above the TP size ({tp}) shards Megatron's embedding "
+               f"weight itself; drop it (Megatron then takes the TP size)")
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
     divisible_by = getattr(args, "make_vocab_size_divisible_by", None) or 128
     padded = getattr(args, "padded_vocab_size", None)
@@ -87,6 +85,16 @@ def _refusals(args, core_version: str):
             check_vocab_sizes(padded, tp, pp, divisible_by)
         except ConfigError as err:
             yield str(err)
+
+
+def weight_sharded_beyond_tp(args, tp: int) -> bool:
+    """Whether GTP shards each weight further than TP does. megatron-core 0.19's validation sets
+    ``tensor_parallel_num_weight_shards`` to the TP size when the flag is not given (and derives
+    ``gtp_weight_remat_size`` = shards // TP = 1): that default is TP's own sharding, which the vocabulary
+    shards are built on, not weight sharding. So the rule reads the same before and after Megatron's
+    validation."""
+    shards = getattr(args, "tensor_parallel_num_weight_shards", None)
+    return (getattr(args, "gtp_weight_remat_size", None) or 1) > 1 or (shards is not None and shards > tp)
 
 
 # (dest, flag, why it cannot run): features that use Megatron's output layer or embedding weight.

@@ -42,6 +42,13 @@ CASES = {  # name: (vshape check-flags arguments before "--", flags after it)
     "v-half no TE": (["--te-version", "none"], LLAMA + ["--pipeline-schedule", "v-half"]),
     "v-half bad layers": (["--te-version", "2.8"], LLAMA + ["--pipeline-schedule", "v-half", "--num-layers", "30"]),
 }
+# --pipeline-vocab-parallel at TP 2 with the recipe's DP flags (no CP: the flag refuses it), as the planner
+# recommends it: megatron-core 0.19 sets --tensor-parallel-num-weight-shards to the TP size by default.
+VOCAB_TP2 = [*RECIPE_MODEL.split(), *RECIPE_TRAINING.split(), *RECIPE_DDP.split(), "--tensor-model-parallel-size", "2",
+             "--sequence-parallel", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "v-half",
+             "--pipeline-vocab-parallel"]
+CASES["vocab TP 2"] = (["--te-version", "2.8"], VOCAB_TP2)
+CASES["vocab TP 2 GTP 4"] = (["--te-version", "2.8"], [*VOCAB_TP2, "--tensor-parallel-num-weight-shards", "4"])
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402  (the TE loss runs scripts/gpu_check.sh launches)
@@ -123,3 +130,14 @@ def test_the_gpu_check_te_runs_pass_the_start_up_checks(verdicts):
         assert code == 0 and lines[0].endswith("split route: TE deferral"), (name, lines)
         code, lines = verdicts[f"gpu_check {name} 1f1b"]
         assert code == 0 and lines[0].endswith("split route: no split on Transformer Engine"), (name, lines)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_vocabulary_flag_at_tp_2_is_accepted_and_real_weight_sharding_refused(verdicts):
+    code, lines = verdicts["vocab TP 2"]
+    assert code == 0 and lines[0].startswith("accepted: --pipeline-schedule v-half"), lines
+    code, lines = verdicts["vocab TP 2 GTP 4"]
+    assert code == 2 and lines == ["vshape: error: --pipeline-vocab-parallel: --tensor-parallel-num-weight-shards "
+                                   "above the TP size (2) shards Megatron's embedding weight itself; drop it (Megatron "
+                                   "then takes the TP size)"], lines

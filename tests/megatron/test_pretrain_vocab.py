@@ -147,9 +147,9 @@ DP_OVERLAP = ("--pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 
               "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather").split()
 
 
-def _train_dp2(python: str, script, schedule: str, *extra: str) -> dict[int, float]:
+def _train_dp2(python: str, script, schedule: str, *extra: str, flags=DP_OVERLAP) -> dict[int, float]:
     result = launch_ranks(python, 4, ["-m", "megatron_vshape.run", str(script)],
-                          ["--pipeline-schedule", schedule, *DP_OVERLAP, *extra], timeout=TIMEOUT)
+                          ["--pipeline-schedule", schedule, *flags, *extra], timeout=TIMEOUT)
     assert result.returncode == 0, f"{schedule} {' '.join(extra)}:\n{result.stdout[-5000:]}"
     losses = _losses(result.stdout)
     assert sorted(losses) == [1, 2, 3, 4], result.stdout[-3000:]
@@ -171,5 +171,19 @@ def test_the_flag_with_the_distributed_optimizer_and_overlapped_param_gather(mc1
     iteration 2 the lookup and the logits use rows the gather has not brought yet (measured before the
     fix: 8.316859 against 8.314754 at iteration 2, v-zb)."""
     own, got = dp_overlap_1f1b, _train_dp2(mc19_python, client_script, schedule, FLAG)
+    for i in (1, 2, 3, 4):
+        assert abs(got[i] - own[i]) <= 1e-5 * abs(own[i]), (i, own[i], got[i])
+
+
+TP2 = [*(f for f in DP_OVERLAP if not f.startswith("--use-distributed") and not f.startswith("--overlap")),
+       "--tensor-model-parallel-size", "2", "--vocab-size", "1024"]
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_the_flag_at_tp_2_through_the_script(mc19_python, client_script):
+    """TP 2 x PP 2: megatron-core 0.19's validation sets --tensor-parallel-num-weight-shards to the TP size,
+    which the flag's check once took for weight sharding (every rank stopped at model construction)."""
+    own = _train_dp2(mc19_python, client_script, "1f1b", flags=TP2)
+    got = _train_dp2(mc19_python, client_script, "v-zb", FLAG, flags=TP2)
     for i in (1, 2, 3, 4):
         assert abs(got[i] - own[i]) <= 1e-5 * abs(own[i]), (i, own[i], got[i])

@@ -713,6 +713,9 @@ def test_check_vocab_parallel_accepts_what_it_supports():
                          core_version="0.20.0rc0+d98e8a64")
     check_vocab_parallel(_args(pipeline_schedule="interleaved-1f1b"), core_version="0.19.2")  # run by our executor
     check_vocab_parallel(_args(hybrid_layer_pattern="*-*E*-*E"), core_version="0.19.2")  # HybridModel
+    # megatron-core 0.19's validation sets --tensor-parallel-num-weight-shards to the TP size when not given:
+    # TP's own sharding, not weight sharding (it refused every TP > 1 run through the scripts)
+    check_vocab_parallel(_args(tensor_parallel_num_weight_shards=2, gtp_weight_remat_size=1), core_version="0.19.2")
 
 
 @pytest.mark.parametrize("overrides, core_version, words", [
@@ -727,7 +730,8 @@ def test_check_vocab_parallel_accepts_what_it_supports():
     ({"logit_dtype": "fp32"}, "0.19.2", "drop --output-logit-dtype"),
     ({"use_megatron_fsdp": True}, "0.19.2", "drop --use-megatron-fsdp"),
     ({"init_model_with_meta_device": True}, "0.19.2", "drop --init-model-with-meta-device"),
-    ({"tensor_parallel_num_weight_shards": 2}, "0.19.2", "--tensor-parallel-num-weight-shards"),
+    ({"tensor_parallel_num_weight_shards": 4}, "0.19.2", "--tensor-parallel-num-weight-shards above the TP size (2)"),
+    ({"tensor_parallel_num_weight_shards": 4, "gtp_weight_remat_size": 2}, "0.19.2", "drop it (Megatron then takes"),
     ({"vocab_size": 50257, "pipeline_model_parallel_size": 3}, "0.19.2", "does not split into 6 equal shards"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_check_vocab_parallel_refuses_in_one_line(overrides, core_version, words):
@@ -798,3 +802,13 @@ def test_embedding_lookup_and_its_weight_gradient_land_in_this_ranks_rows():
     assert layers.embedding_weight.main_grad[0].eq(3).all() and layers.embedding_weight.grad[0].eq(1).all()
     with pytest.raises(RuntimeError, match="ran twice"):
         task()
+
+
+def test_a_refusal_that_needs_megatrons_derived_values_comes_before_any_model_is_built():
+    """Megatron's validate_args derives values the start-up checks cannot see (here GTP's remat size, from a
+    weight-shard count only Megatron resolves): install() runs those checks again, as one line."""
+    from megatron_vshape.megatron.arguments import validate_after_megatron
+
+    validate_after_megatron(_args(tensor_parallel_num_weight_shards=2, gtp_weight_remat_size=1))
+    with pytest.raises(ConfigError, match="--pipeline-vocab-parallel: --tensor-parallel-num-weight-shards above"):
+        validate_after_megatron(_args(tensor_parallel_num_weight_shards=None, gtp_weight_remat_size=2))
