@@ -34,10 +34,13 @@ def fill_idle(
     placement = schedule.placement
     num_stages = schedule.num_stages
     ledger = MemoryLedger(placement, costs, memory)
-    delta, level = ledger.delta, ledger.level
+    level = ledger.level
     ids = PassIds(num_stages, schedule.num_microbatches)
     stage_device = [placement.device_of(s) for s in range(num_stages)]
     remaining = [list(program) for program in schedule.programs]
+    # Each pass's flat id and memory change, computed once (the look-ahead reads them again and again).
+    remaining_ids = [[ids.of(action) for action in program] for program in remaining]
+    remaining_deltas = [[ledger.delta(action.kind, action.stage) for action in program] for program in remaining]
     end_time = [UNSET] * (3 * ids.per_kind)
     ready_of = ready_rule(stage_device, schedule.num_microbatches, costs.comm)
     free_at = [0.0] * schedule.num_devices
@@ -46,31 +49,46 @@ def fill_idle(
     events = [0.0]
     now = 0.0
     left = sum(len(p) for p in remaining)
+    # A device whose look-ahead found nothing to start stays so until a pass that feeds it is placed
+    # (``stale``) or ``now`` reaches the earliest ready time it saw (``wake``): only then is it scanned
+    # again (the same choices as scanning at every event, without the repeated scans).
+    stale = [True] * schedule.num_devices
+    wake = [0.0] * schedule.num_devices
+    inf = float("inf")
 
     def pick(device: int) -> int | None:
-        todo = remaining[device]
+        todo_ids, todo_deltas = remaining_ids[device], remaining_deltas[device]
         running = 0.0  # cumulative memory change of the passes a pulled pass would jump over
         worst = 0.0
-        for index, action in enumerate(todo[: lookahead + 1]):
-            ready = ready_of(ids.of(action), end_time)  # < 0: an input is missing
-            change = delta(action.kind, action.stage)
+        earliest = inf
+        for index in range(min(lookahead + 1, len(todo_ids))):
+            ready = ready_of(todo_ids[index], end_time)  # < 0: an input is missing
+            change = todo_deltas[index]
             if 0 <= ready <= now + _EPS:
                 if index == 0 or level[device] + change + worst <= peaks[device] + _EPS:
                     return index
             elif ready >= 0:
                 heapq.heappush(events, ready)
+                if ready < earliest:
+                    earliest = ready
             running += change
-            worst = max(worst, running)
+            if running > worst:
+                worst = running
+        stale[device], wake[device] = False, earliest
         return None
 
     while left:
         for device in range(schedule.num_devices):
             if free_at[device] > now + _EPS or not remaining[device]:
                 continue
+            if not stale[device] and now + _EPS < wake[device]:
+                continue
             index = pick(device)
             if index is None:
                 continue
             action = remaining[device].pop(index)
+            remaining_ids[device].pop(index)
+            remaining_deltas[device].pop(index)
             end = now + schedule.pass_cost(action, costs)
             end_time[ids.of(action)] = end
             free_at[device] = end
@@ -81,6 +99,11 @@ def fill_idle(
             heapq.heappush(events, end)
             heapq.heappush(events, end + costs.comm)
             left -= 1
+            # The passes this one feeds are on the devices of its stage and the stages beside it.
+            stage = action.stage
+            for neighbour in (stage - 1, stage, stage + 1):
+                if 0 <= neighbour < num_stages:
+                    stale[stage_device[neighbour]] = True
         while events and events[0] <= now + _EPS:
             heapq.heappop(events)
         if left and not events:  # cannot happen for a valid input order; fail loudly if it does
