@@ -239,3 +239,29 @@ def test_per_stage_costs_keep_the_lower_peak_at_equal_makespan():
     result = simulate(get_schedule("v-half", 2, 4, costs), costs)
     assert result.makespan == pytest.approx(30.0)
     assert result.peak_memory == pytest.approx((1.25, 2.5))
+
+
+@pytest.mark.parametrize("d,m,label", [(7, 7, "b"), (8, 16, "a"), (11, 22, "c"), (14, 14, "a")])
+def test_v_min_takes_the_late_block_where_it_is_faster(d, m, label):
+    """Issue 44: device 0's last B a slot later (``v_min_late_block``) competes; same steady peak, and
+    where it wins the built V-Min is faster than the paper's block at no higher peak."""
+    from megatron_vshape.schedules.generators.block_schedule import schedule_from_block
+    from megatron_vshape.schedules.generators.v_schedules import v_min_late_block
+
+    costs = {"a": Costs(), "b": Costs(1, 1.1, 0.9), "c": Costs(1, 1.1, 0.9, 0.05)}[label]
+    late = v_min_late_block(d)
+    assert late is not None and not late.collisions()
+    assert max(late.steady_peak()) == max(v_min_block(d).steady_peak())
+    paper = simulate(schedule_from_block(v_min_block(d), m, costs, "paper"), costs)
+    built = v_min(d, m, costs)
+    validate(built)
+    result = simulate(built, costs)
+    assert result.peak_memory_max <= paper.peak_memory_max
+    assert result.makespan < paper.makespan * (1 - 0.003)
+    assert built.meta.get("built_as") == "v-min block, device 0's last B a slot later"
+
+
+def test_no_late_block_where_it_would_collide():
+    from megatron_vshape.schedules.generators.v_schedules import v_min_late_block
+
+    assert [d for d in range(1, 17) if v_min_late_block(d) is None] == [1, 3, 6, 9, 12, 15]
