@@ -163,6 +163,24 @@ class WeightGradTask:
         accumulate_weight_grad(self.weight, compute())
 
 
+class EmbeddingGradTask:
+    """The embedding's W: rows of ``grad_output`` added by token id, straight into the fp32 ``main_grad``
+    (no [rows, hidden] temporary); without one (no DDP) summed in fp32 and added to ``.grad`` once."""
+
+    def __init__(self, weight: torch.nn.Parameter, tokens: torch.Tensor, grad_output: torch.Tensor, shard):
+        self.weight, self._args = weight, (tokens, grad_output, shard)
+
+    def __call__(self) -> None:
+        if self._args is None:
+            raise RuntimeError(f"{FLAG}: a vocabulary weight gradient ran twice")
+        (tokens, grad_output, shard), self._args = self._args, None
+        main_grad = getattr(self.weight, "main_grad", None)
+        if main_grad is not None and main_grad.dtype == torch.float32:
+            vp.embedding_weight_grad(tokens, grad_output, shard, into=main_grad)
+        else:
+            accumulate_weight_grad(self.weight, vp.embedding_weight_grad(tokens, grad_output, shard))
+
+
 @dataclass
 class OutputPass:
     """What S (:meth:`VocabShardLayers.output_forward`) gives: the loss, and what T needs."""
@@ -254,10 +272,10 @@ class VocabShardLayers(torch.nn.Module):
         self._weights_ready()
         return vp.embedding_partial(tokens, self.embedding_weight.detach(), self.shard)
 
-    def embedding_weight_grad_task(self, tokens: torch.Tensor, grad_output: torch.Tensor) -> WeightGradTask:
+    def embedding_weight_grad_task(self, tokens: torch.Tensor, grad_output: torch.Tensor) -> EmbeddingGradTask:
         """The W of the embedding: ``grad_output`` ([b, s, h], the gradient of the first stage's embedding
-        output) into this rank's rows."""
-        return WeightGradTask(self.embedding_weight, lambda: vp.embedding_weight_grad(tokens, grad_output, self.shard))
+        output) into this rank's rows, summed in fp32."""
+        return EmbeddingGradTask(self.embedding_weight, tokens, grad_output, self.shard)
 
     def embedding_weight_grad(self, tokens: torch.Tensor, grad_output: torch.Tensor) -> None:
         """:meth:`embedding_weight_grad_task`, run now."""

@@ -110,7 +110,10 @@ def output_backward(state: OutputState, weight: torch.Tensor, grad_loss: torch.T
     grad_logits[rows, state.target_local[rows]] -= 1.0
     grad_logits.mul_(grad_loss.unsqueeze(-1))
     grad_logits = grad_logits.to(weight.dtype)
-    grad_hidden = grad_logits @ weight
+    # In fp32 until the sum over the shards is complete: an unsharded output layer's GEMM accumulates over
+    # the whole vocabulary in fp32 and rounds once, so each shard's part stays fp32 through the all-reduce
+    # (the caller casts the sum once). Rounding every part to bf16 and summing in bf16 drifted from Megatron.
+    grad_hidden = matmul_fp32_out(grad_logits, weight)
     for group in groups:
         dist.all_reduce(grad_hidden, group=group)
     hidden = state.hidden
@@ -119,6 +122,18 @@ def output_backward(state: OutputState, weight: torch.Tensor, grad_loss: torch.T
         return grad_logits.t() @ hidden
 
     return grad_hidden, weight_grad
+
+
+def matmul_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with fp32 accumulation and an fp32 result, for inputs of any float dtype.
+
+    On CUDA the half-precision GEMM writes fp32 directly (``out_dtype``); elsewhere the inputs are upcast,
+    which gives the same sums (a product of two bf16 or fp16 values is exact in fp32)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
 
 
 def embedding_partial(tokens: torch.Tensor, weight: torch.Tensor, shard: VocabShard) -> torch.Tensor:
@@ -138,13 +153,19 @@ def embedding_forward(tokens: torch.Tensor, weight: torch.Tensor, shard: VocabSh
     return out
 
 
-def embedding_weight_grad(tokens: torch.Tensor, grad_output: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+def embedding_weight_grad(tokens: torch.Tensor, grad_output: torch.Tensor, shard: VocabShard,
+                          into: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's embedding weight gradient from the embedding output's gradient ``grad_output``
-    ([tokens, hidden], sent by the first stage to every rank)."""
+    ([tokens, hidden], sent by the first stage to every rank), added into ``into`` ([rows, hidden], e.g. the
+    weight's fp32 ``main_grad``) or into a new fp32 tensor, which is returned.
+
+    The sum is taken in ``into``'s dtype (fp32): a frequent token's row sums thousands of values, which a
+    sum in bf16 rounds away (Megatron adds each microbatch's gradient into fp32 ``main_grad``)."""
     held = (tokens >= shard.start) & (tokens < shard.end)
-    grad = torch.zeros(shard.rows, grad_output.shape[-1], dtype=grad_output.dtype, device=grad_output.device)
-    grad.index_add_(0, tokens[held] - shard.start, grad_output[held])
-    return grad
+    if into is None:
+        into = torch.zeros(shard.rows, grad_output.shape[-1], dtype=torch.float32, device=grad_output.device)
+    into.index_add_(0, tokens[held] - shard.start, grad_output[held].to(into.dtype))
+    return into
 
 
 def _all_gather(tensor: torch.Tensor, groups: Sequence) -> torch.Tensor:
