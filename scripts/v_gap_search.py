@@ -47,6 +47,7 @@ HybridModel's mix of Mamba, attention and MoE layers). Drawn with a fixed seed p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -57,7 +58,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_vshape.schedules.core.actions import Kind  # noqa: E402
-from megatron_vshape.schedules.core.dependencies import dependencies  # noqa: E402
 from megatron_vshape.schedules.core.inputs import EPS  # noqa: E402
 from megatron_vshape.schedules.core.schedule import (  # noqa: E402
     Costs,
@@ -71,6 +71,7 @@ from megatron_vshape.schedules.core.schedule import (  # noqa: E402
 from megatron_vshape.schedules.core.simulator import SimulationResult, simulate  # noqa: E402
 from megatron_vshape.schedules.generators.block import BuildingBlock  # noqa: E402
 from megatron_vshape.schedules.generators.block_schedule import schedule_from_block  # noqa: E402
+from megatron_vshape.schedules.generators.local_search import pull_into_waits  # noqa: E402
 from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule  # noqa: E402
 from megatron_vshape.schedules.generators.reorder import fill_idle  # noqa: E402
 from megatron_vshape.schedules.generators.slot_reorder import slot_schedule  # noqa: E402
@@ -126,7 +127,6 @@ GENERATORS = {
 }
 OFFSET_STEPS = (-1, 1, -2, 2, -3, 3, -6, 6)
 OFFSETS_SHARE = 0.6  # of the budget; the order search gets the rest
-_ORDER_WINDOW = 6  # positions a pass may be pulled ahead in one move
 
 
 @dataclass
@@ -240,67 +240,11 @@ def idle_fill(schedule: Schedule, costs: Costs, cap: float) -> Schedule:
     return fill_idle(schedule, costs, [cap] * d, lookahead=2 * d)[0]
 
 
-def _order_key(result: SimulationResult) -> tuple[float, float]:
-    # The makespan alone is flat under most single moves (only the worst device counts); the sum
-    # of all end times rewards every move that lets some pass finish sooner.
-    return round(result.makespan, 9), round(sum(iv.end for iv in result.timeline.values()), 6)
-
-
 def order_search(schedule: Schedule, costs: Costs, cap: float, budget: Budget) -> Schedule | None:
-    """First-improvement descent over moves of one pass ahead in its device's program."""
-    stages = schedule.num_stages
-    device_of = schedule.placement.device_of
-    programs = [list(p) for p in schedule.programs]
-
-    def build(progs) -> Schedule:
-        return Schedule("order", schedule.placement, schedule.num_microbatches, tuple(map(tuple, progs)))
-
-    best = simulate(build(programs), costs)
-    best_key = _order_key(best)
-    moved = False
-    while not budget.spent():
-        timeline = best.timeline
-
-        def arrival(dep, device, timeline=timeline):
-            return timeline[dep].end + (costs.comm if device_of(dep.stage) != device else 0.0)
-
-        where = {a: (device, i) for device, program in enumerate(programs) for i, a in enumerate(program)}
-        moves = []  # (device, from position, to position)
-        for device, program in enumerate(programs):
-            for i in range(1, len(program)):
-                waiting = program[i]
-                if timeline[waiting].start - timeline[program[i - 1]].end <= EPS:
-                    continue
-                moves.extend((device, j, i) for j in range(i + 1, min(i + 1 + _ORDER_WINDOW, len(program))))
-                inputs = dependencies(waiting, stages)
-                if inputs:
-                    late_device, late_at = where[max(inputs, key=lambda dep: arrival(dep, device))]
-                    moves.extend((late_device, late_at, late_at - k) for k in range(1, _ORDER_WINDOW + 1)
-                                 if late_at - k >= 0)
-        improved = False
-        for device, j, i in moves:
-            program = programs[device]
-            action = program[j]
-            jumped = program[i:j]
-            inputs = dependencies(action, stages)
-            if any(a.kind is action.kind and a.stage == action.stage for a in jumped):
-                continue  # each stage keeps its microbatch order (as every generator and the solver)
-            if any(dep in jumped for dep in inputs):
-                continue
-            ready = max((arrival(dep, device) for dep in inputs), default=0.0)
-            if ready >= timeline[program[i]].start - EPS:
-                continue  # it could not start any sooner there
-            trial = programs[:device] + [program[:i] + [action] + jumped + program[j + 1:]] + programs[device + 1:]
-            result = simulate(build(trial), costs)
-            budget.count()
-            if _fits(result, cap) and _order_key(result) < best_key:
-                programs, best, best_key, improved, moved = trial, result, _order_key(result), True, True
-                break
-            if budget.spent():
-                break
-        if not improved:
-            break
-    return build(programs) if moved else None
+    """First-improvement descent over moves of one pass ahead in its device's program
+    (``generators.local_search``, which the generators run with a small budget on small cells)."""
+    found = pull_into_waits(schedule, costs, [cap] * schedule.num_devices, budget)
+    return None if found is None else dataclasses.replace(found, name="order", meta={})
 
 
 def cpsat_search(schedule: Schedule, d: int, m: int, costs: Costs, cap: float, seconds: float) -> Schedule | None:
