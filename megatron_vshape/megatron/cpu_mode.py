@@ -17,6 +17,11 @@ megatron-core assumes CUDA in a handful of places that are unrelated to the math
 * **The RNG tracker**: megatron's ``CudaRNGStatesTracker`` forks CUDA generator states; the CPU
   tracker below forks the CPU default generator (dropout on CPU draws from it), so tensor-parallel
   dropout regions stay reproducible and distinct per tracker name.
+* **Distributed-optimizer checkpoints with torch's Adam** (the optimizer megatron-core falls back to
+  without Apex or Transformer Engine, so on every CPU run): megatron-core's ``DistributedOptimizer``
+  cannot resume them (a fresh optimizer's ``state_dict`` asserts on the missing step, the loaded step
+  is overwritten by the template's, and every parameter then shares one step counter). The mode bridges
+  the three places; see :func:`_install_torch_adam_checkpoints`.
 * **Expert-parallel all-to-all split sizes**: megatron's alltoall token dispatcher copies its split
   sizes to the host as numpy arrays only when they are on a GPU (``maybe_move_tensor_to_cpu``); on CPU
   they stay tensors, which ``all_to_all_single`` rejects. The mode hands it the same host lists.
@@ -29,6 +34,7 @@ processes that run megatron on CPU, never in a process that should see a real GP
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -56,6 +62,7 @@ def enable_cpu_mode() -> None:
         _install_rng_tracker()
         _CpuDeviceMode().__enter__()  # stays on for the life of the process
         _install_backward_mode()
+        _install_torch_adam_checkpoints()
         _enabled = True
 
 
@@ -114,6 +121,90 @@ def _install_backward_mode() -> None:
             return original(self, *args)
 
     BackwardCFunction.apply = apply
+
+
+# --- distributed-optimizer checkpoints with torch's Adam ---------------------------------------
+
+class _NoStepYet:
+    """The key of the stand-in state entry (a torch optimizer's ``state_dict`` keeps non-tensor keys)."""
+
+    def __repr__(self) -> str:
+        return "<megatron-vshape: no optimizer step yet>"
+
+
+_NO_STEP_YET = _NoStepYet()
+
+
+def _install_torch_adam_checkpoints() -> None:
+    """Let megatron-core's ``DistributedOptimizer`` save and resume torch_dist checkpoints with torch's Adam.
+
+    Without Apex or Transformer Engine (``HAVE_APEX_OR_TE`` false: always so on CPU) the inner optimizer is
+    ``torch.optim.Adam``, which keeps a ``step`` tensor per parameter, where TE's and Apex's FusedAdam keep
+    one per param group. megatron-core's code for that path breaks a resume in three places (0.16.1, 0.19.2
+    and main at d98e8a64 alike):
+
+    * ``state_dict()`` asserts that the per-parameter steps hold exactly one value. ``load_checkpoint``
+      builds its loading template from the freshly built optimizer, whose state is still empty: every rank
+      stops at ``assert len(steps) == 1``. Here a fresh optimizer reports step 0, torch Adam's count before
+      its first step (the template's value; the checkpoint's replaces it).
+    * ``_set_main_param_and_optimizer_states`` copies every tensor of a parameter's state from the loaded
+      one, ``step`` included. The default format (``dp_reshardable``) stores ``step`` as a local,
+      non-persistent object, so the loaded "step" is the template's and would overwrite the checkpoint's
+      (which megatron reads from the param groups, and which ``fully_reshardable`` and
+      ``fully_sharded_model_space`` skip explicitly). Here a parameter keeps the step it has. The copies
+      also run under ``torch.no_grad()``: an fp32 model's main parameters are views of its parameters,
+      which require grad, and ``load_parameter_state_from_dp_reshardable``, unlike its siblings, is not
+      decorated with it.
+    * ``load_state_dict()`` gives every parameter's state the same ``step`` tensor, and Adam increments
+      each parameter's step in place: after a resume the shared count grew by the number of parameters
+      per step. Here each parameter gets its own copy.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if getattr(cls.state_dict, "_vshape_torch_adam", False):
+        return
+    state_dict_original = cls.state_dict
+    set_states_original = cls._set_main_param_and_optimizer_states
+    load_state_dict_original = cls.load_state_dict
+
+    def torch_adam(self) -> bool:
+        return not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(getattr(self.optimizer, "state", None), dict)
+
+    @functools.wraps(state_dict_original)
+    def state_dict(self):
+        if not torch_adam(self) or len(self.optimizer.state) > 0:
+            return state_dict_original(self)
+        state = self.optimizer.state
+        state[_NO_STEP_YET] = {"step": torch.tensor(0.0)}
+        try:
+            return state_dict_original(self)
+        finally:
+            del state[_NO_STEP_YET]
+
+    @functools.wraps(set_states_original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if torch_adam(self):
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state.get(main_param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                tensors = {**tensors, "step": step}  # copied onto itself: the param groups' step stays
+        with torch.no_grad():
+            return set_states_original(self, model_param, tensors)
+
+    @functools.wraps(load_state_dict_original)
+    def load_state_dict(self, state_dict):
+        load_state_dict_original(self, state_dict)
+        if torch_adam(self):
+            for state in self.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+    state_dict._vshape_torch_adam = True
+    cls.state_dict = state_dict
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    cls.load_state_dict = load_state_dict
 
 
 # --- torch.cuda calls ------------------------------------------------------------------------

@@ -52,7 +52,7 @@ TESTED = (
     TestedVersion("0.16.1"),
     TestedVersion("0.19.2"),
     TestedVersion("0.20.0", commit="d98e8a64",
-                  fingerprint="93c4321d12356a4907bd30327b4a285d9872b4b471904ca4f931f251caf68c42"),
+                  fingerprint="2b4a1d232b5456d87fc139aa32e258df817f71fb608cb5fcde36dd1ceb95faea"),
 )
 TESTED_VERSIONS = tuple(str(tested) for tested in TESTED)
 
@@ -83,6 +83,7 @@ class Patch:
 _FBF = ("pp_size", "vp_size")  # megatron-core 0.19 appends schedule_pg_collection; the wrapper passes all through
 _LINEAR = "LinearWithGradAccumulationAndAsyncCommunication.backward"
 _RANDOM = "megatron.core.tensor_parallel.random"
+_DISTOPT = "megatron.core.optimizer.distrib_optimizer"
 _FORWARD_STEP = ("forward_step_func", "data_iterator", "model", "num_microbatches", "input_tensor",
                  "forward_data_store", "config", "cp_group_size", "collect_non_loss_data",
                  "checkpoint_activations_microbatch", "is_first_microbatch", "current_microbatch", "vp_stage",
@@ -108,6 +109,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_RANDOM, "_MODEL_PARALLEL_RNG_TRACKER_NAME", None, Group.CPU),
     Patch(_RANDOM, "_get_cuda_rng_state", None, Group.CPU),
     Patch(_RANDOM, "_set_cuda_rng_state", ("new_state",), Group.CPU, Match.LEADING),
+    # cpu_mode._install_torch_adam_checkpoints: distributed-optimizer checkpoints with torch's Adam
+    Patch(_DISTOPT, "HAVE_APEX_OR_TE", None, Group.CPU),
+    Patch(_DISTOPT, "DistributedOptimizer.state_dict", ("self",), Group.CPU),
+    Patch(_DISTOPT, "DistributedOptimizer.load_state_dict", ("self", "state_dict"), Group.CPU),
+    Patch(_DISTOPT, "DistributedOptimizer._set_main_param_and_optimizer_states", ("self", "model_param", "tensors"),
+          Group.CPU),
     Patch("megatron.training.initialize", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,
           Match.CONTAINS),
     Patch("megatron.training.training", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,
