@@ -5,7 +5,9 @@ the current code; it was run once before per-stage costs reached any generator, 
 is "today's" schedules and the comparison below is the guard that uniform costs change nothing.
 Issue 44 rewrote fifteen V-Min / V-Half entries, each faster at the same peak: six at d = 8 (the late
 block of ``v_schedules.v_min_late_block``, e.g. m = 16, equal costs: makespan 123 -> 122) and nine at
-d = 4 and 8 (the local search of ``v_schedules._polished``, e.g. V-Min d = 4, m = 4, skewed: 43.1 -> 42.1).
+d = 4 and 8 (the local search of ``v_schedules._polished``, e.g. V-Min d = 4, m = 4, skewed: 43.1 -> 42.1);
+and six v-auto entries at d = 2 have another order at the same makespan and peak (v-auto's V-Min and
+V-Half candidates are those generators' own schedules now, and win the ties as the first candidates).
 """
 
 from __future__ import annotations

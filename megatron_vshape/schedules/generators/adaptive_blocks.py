@@ -9,6 +9,7 @@ this family and come first under their own names (see ``candidate_blocks``).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -17,7 +18,7 @@ from ..core.inputs import EPS as _EPS
 from ..core.schedule import Costs, Schedule
 from .block import BuildingBlock
 from .block_schedule import schedule_from_block
-from .v_schedules import V_INTERVAL, v_block, v_half_block, v_min_block
+from .v_schedules import V_INTERVAL, v_block, v_half, v_half_block, v_min, v_min_block
 
 NAME = "v-auto"
 _GAPS = (1, 2, 3)  # slots between consecutive devices along a leg: 1 = V-Min-like, 3 = loose
@@ -127,6 +128,9 @@ class BlockCandidate:
     label: str
     block: BuildingBlock
     bound: float  # steady peak of the block, memory units, worst device (uniform memory)
+    # V-Min and V-Half are built by their generators (their block, or a faster schedule of no higher peak:
+    # v_schedules), so that v-auto is never worse than either at its memory.
+    generator: Callable[[int, int, Costs], Schedule] | None = None
 
     def memory_bound(self, costs: Costs | None = None) -> float:
         """The block's steady peak, each stage weighted by its memory under ``costs``."""
@@ -135,6 +139,8 @@ class BlockCandidate:
         return max(self.block.steady_peak(costs))
 
     def build(self, num_microbatches: int, costs: Costs) -> Schedule:
+        if self.generator is not None:
+            return self.generator(self.block.placement.num_devices, num_microbatches, costs)
         return schedule_from_block(self.block, num_microbatches, costs, NAME)
 
 
@@ -163,8 +169,9 @@ def candidate_blocks(num_devices: int) -> tuple[BlockCandidate, ...]:
 
 def _named_blocks(num_devices: int) -> tuple[BlockCandidate, BlockCandidate]:
     """V-Min and V-Half, without enumerating the family (minutes at d=64)."""
-    return _with_bound("v-min", v_min_block(num_devices)), _with_bound("v-half", v_half_block(num_devices))
+    return (_with_bound("v-min", v_min_block(num_devices), v_min),
+            _with_bound("v-half", v_half_block(num_devices), v_half))
 
 
-def _with_bound(label: str, block: BuildingBlock) -> BlockCandidate:
-    return BlockCandidate(label, block, max(block.steady_peak()))
+def _with_bound(label: str, block: BuildingBlock, generator=None) -> BlockCandidate:
+    return BlockCandidate(label, block, max(block.steady_peak()), generator)
