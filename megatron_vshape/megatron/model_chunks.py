@@ -10,6 +10,7 @@ initialised from a (seed, global layer) stream. :func:`v_stage_predicates` makes
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 
 from ..runtime.placement import _unwrap
@@ -133,6 +134,7 @@ def wrap_model_construction(args) -> None:
     """
     import megatron.training.training as training
 
+    install_checkpoint_fixes(args)  # what the V's chunks (and Megatron's bucket layout) need of a torch_dist save
     builder = ChunkBuilder(args)
     original_get_model = training.get_model
     if not getattr(original_get_model, "_vshape", False):
@@ -223,3 +225,143 @@ def v_stage_predicates() -> None:
     is_pipeline_first_stage._vshape = is_pipeline_last_stage._vshape = True
     parallel_state.is_pipeline_first_stage = is_pipeline_first_stage
     parallel_state.is_pipeline_last_stage = is_pipeline_last_stage
+
+
+# --- torch_dist checkpoints of a V's chunks ---------------------------------------------------------
+
+def install_checkpoint_fixes(args) -> None:
+    """Two torch_dist save bugs a V schedule with tied embeddings runs into (each entry is in the patch table).
+
+    * V schedules: :func:`_install_one_main_replica_per_rank`.
+    * Every run on a megatron-core before 0.20: :func:`_install_fully_reshardable_bucket_offsets`.
+    """
+    _install_fully_reshardable_bucket_offsets()
+    if args.pipeline_schedule in V_SCHEDULE_NAMES:
+        _install_one_main_replica_per_rank()
+
+
+_SAVING = contextvars.ContextVar("vshape_fully_parallel_saving", default=False)
+
+
+def _install_one_main_replica_per_rank() -> None:
+    """Megatron's fully parallel save writes each shard once, from one rank: not twice from rank 0 of a V.
+
+    On a V, pipeline rank 0 holds the first stage's embedding (chunk 0) and the last stage's tied copy
+    (chunk 1, ``output_layer.weight``), and Megatron's ``tie_embeddings_and_output_weights_state_dict`` gives
+    the copy the embedding's key as a replica (replica id ``(1, 0, dp)`` against the embedding's ``(0, 0,
+    dp)``): the key and values of Megatron's tied checkpoints, which load across schedules. A looped
+    placement never puts two tensors of one shard on a rank, and the fully parallel save
+    (``distribute_main_replicas_with_precomputed_distribution``, the default ``--ckpt-fully-parallel-save``)
+    relies on that: it chooses a saving rank per shard and sets ``replica_id = 0`` on *every* local tensor
+    of that shard, so rank 0 marked both copies main and the save stopped with "Invalid sharding pattern
+    validation ... embedding.word_embeddings.weight" (at DP > 1; the tied copies of the distributed
+    optimizer's ``fully_reshardable`` state alike). Here, while a save is distributed, only the first of
+    them (the embedding: ``model0`` comes before ``model1``) stays main; the copy holds the same values
+    (:func:`~megatron_vshape.runtime.placement.sum_tied_embedding_grads` keeps them identical).
+    Loading is left alone: there every local tensor is filled, copies included.
+    """
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    distribute = fully_parallel.distribute_main_replicas_with_precomputed_distribution
+    if getattr(distribute, "_vshape", False):
+        return
+    apply_saving = fully_parallel.FullyParallelSaveStrategyWrapper.apply_saving_parallelization
+
+    @functools.wraps(distribute)
+    def distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, parallelization_group,
+                                                               precomputed_distribution):
+        distribute(sharded_state_dict, parallelization_group, precomputed_distribution)
+        if _SAVING.get():
+            _one_main_replica_per_shard(sharded_state_dict, fully_parallel._sharded_tensor_shard_id)
+
+    @functools.wraps(apply_saving)
+    def apply_saving_parallelization(self, sharded_state_dict):
+        token = _SAVING.set(True)
+        try:
+            return apply_saving(self, sharded_state_dict)
+        finally:
+            _SAVING.reset(token)
+
+    distribute_main_replicas_with_precomputed_distribution._vshape = True
+    fully_parallel.distribute_main_replicas_with_precomputed_distribution = (
+        distribute_main_replicas_with_precomputed_distribution)
+    fully_parallel.FullyParallelSaveStrategyWrapper.apply_saving_parallelization = apply_saving_parallelization
+
+
+def _one_main_replica_per_shard(sharded_state_dict, shard_id) -> None:
+    """Mark all but the first main tensor of each shard (``shard_id(tensor)``) on this rank as replicas."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    main = set()
+    for tensor in nested_values(sharded_state_dict):
+        if isinstance(tensor, ShardedTensor) and is_main_replica(tensor.replica_id):
+            key = shard_id(tensor)
+            if key in main:
+                tensor.replica_id = 1
+            main.add(key)
+
+
+def _install_fully_reshardable_bucket_offsets() -> None:
+    """megatron-core 0.19's ``fully_reshardable`` optimizer save reads every bucket after the first at the
+    wrong place: a backport of Megatron-LM main's fix (main at d98e8a64 has it; megatron-core 0.20 on, not patched).
+
+    ``sharded_param_state_fully_reshardable`` slices each parameter's state out of
+    ``get_parameter_state_dp_zero``'s world tensors at the parameter's index in the grad buffer, but those
+    tensors are the buckets' unpadded parts laid end to end: a bucket that starts after another bucket's
+    end padding (to a multiple of lcm(DP, 128) elements) was read shifted by that padding. A tied embedding
+    is a bucket of its own, after the rest of its chunk, so a first stage whose other parameters are no
+    multiple of 128 elements (V-Half at PP 2 with 4 layers: 52032) saved ``optimizer.state.param``, Adam's
+    moments and, on load, the weights of ``embedding.word_embeddings.weight`` 64 elements off (and its last
+    64 as zeros, with Megatron's warning "param range exceeds unpadded buffer"); the resumed run then trained
+    from other weights. Here that call sees the world tensors with each bucket at its buffer offset. Loading
+    reads each rank's own parameter ranges and was right.
+    """
+    import megatron.core
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls.sharded_param_state_fully_reshardable
+    major, minor = (int(part) for part in megatron.core.__version__.split(".")[:2])
+    if getattr(original, "_vshape", False) or (major, minor) >= (0, 20):
+        return
+
+    @functools.wraps(original)
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        gather = self.get_parameter_state_dp_zero
+
+        def get_parameter_state_dp_zero(*gather_args, **gather_kwargs):
+            return _at_bucket_offsets(self.buffers, gather(*gather_args, **gather_kwargs))
+
+        self.get_parameter_state_dp_zero = get_parameter_state_dp_zero  # this call only (an instance attribute)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del self.get_parameter_state_dp_zero
+
+    sharded_param_state_fully_reshardable._vshape = True
+    cls.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
+
+
+def _at_bucket_offsets(buffers, state):
+    """``get_parameter_state_dp_zero``'s world tensors (each buffer's buckets unpadded, end to end) with
+    every bucket moved to its offset in the buffer (padding zero), as the buffer's parameter indices count."""
+    import torch
+
+    if state is None:  # DP ranks other than 0 in the memory-efficient gather
+        return None
+    for gbuf_idx, buffer in enumerate(buffers):
+        buckets = buffer.buckets
+        padded_numel = buckets[-1].offset + buckets[-1].numel_unpadded
+        for world in state[gbuf_idx].values():
+            for key, flat in world.items():
+                if not isinstance(flat, torch.Tensor):
+                    continue  # numel_unpadded
+                at_offsets, start = flat.new_zeros(padded_numel), 0
+                for bucket in buckets:
+                    at_offsets[bucket.offset:bucket.offset + bucket.numel_unpadded] = (
+                        flat[start:start + bucket.numel_unpadded])
+                    start += bucket.numel_unpadded
+                assert start == flat.numel(), (key, start, flat.numel())
+                world[key] = at_offsets
+    return state

@@ -52,7 +52,7 @@ TESTED = (
     TestedVersion("0.16.1"),
     TestedVersion("0.19.2"),
     TestedVersion("0.20.0", commit="d98e8a64",
-                  fingerprint="2b4a1d232b5456d87fc139aa32e258df817f71fb608cb5fcde36dd1ceb95faea"),
+                  fingerprint="9721a9cbd1fdfdda36d0048381df7b3110f6b603ee6b83bc4504b9f5d61c55f3"),
 )
 TESTED_VERSIONS = tuple(str(tested) for tested in TESTED)
 
@@ -84,6 +84,7 @@ _FBF = ("pp_size", "vp_size")  # megatron-core 0.19 appends schedule_pg_collecti
 _LINEAR = "LinearWithGradAccumulationAndAsyncCommunication.backward"
 _RANDOM = "megatron.core.tensor_parallel.random"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer"
+_FULLY_PARALLEL = "megatron.core.dist_checkpointing.strategies.fully_parallel"
 _FORWARD_STEP = ("forward_step_func", "data_iterator", "model", "num_microbatches", "input_tensor",
                  "forward_data_store", "config", "cp_group_size", "collect_non_loss_data",
                  "checkpoint_activations_microbatch", "is_first_microbatch", "current_microbatch", "vp_stage",
@@ -115,6 +116,16 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_DISTOPT, "DistributedOptimizer.load_state_dict", ("self", "state_dict"), Group.CPU),
     Patch(_DISTOPT, "DistributedOptimizer._set_main_param_and_optimizer_states", ("self", "model_param", "tensors"),
           Group.CPU),
+    # model_chunks.install_checkpoint_fixes: a V's tied copies in a fully parallel save; the fully_reshardable
+    # optimizer save's bucket offsets (megatron-core < 0.20)
+    Patch(_FULLY_PARALLEL, "distribute_main_replicas_with_precomputed_distribution",
+          ("sharded_state_dict", "parallelization_group", "precomputed_distribution"), Group.GPU),
+    Patch(_FULLY_PARALLEL, "FullyParallelSaveStrategyWrapper.apply_saving_parallelization",
+          ("self", "sharded_state_dict"), Group.GPU),
+    Patch(_FULLY_PARALLEL, "_sharded_tensor_shard_id", None, Group.GPU),
+    Patch(_DISTOPT, "DistributedOptimizer.sharded_param_state_fully_reshardable", ("self", "model_sharded_state_dict"),
+          Group.GPU, Match.LEADING),
+    Patch(_DISTOPT, "DistributedOptimizer.get_parameter_state_dp_zero", None, Group.GPU),
     Patch("megatron.training.initialize", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,
           Match.CONTAINS),
     Patch("megatron.training.training", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,

@@ -10,10 +10,12 @@ not resume such a checkpoint at all; ``cpu_mode._install_torch_adam_checkpoints`
 
 * default tier: Megatron's own 1F1B without the flag trains 4 iterations and saves at 2 (the reference
   and the checkpoint); V-ZB with the flag resumes it (Megatron's layout -> vocabulary shards).
+* default tier: V-Half with tied embeddings saves by name with Megatron's default fully parallel save and
+  resumes (rank 0 holds the embedding and its tied copy under one key: :data:`TIED_V_SAVE`).
 * ``-m extended``: Megatron's 1F1B resumes its own checkpoint in Megatron's default format (the
   reproduction of the issue: ``--exit-interval 2``, then ``--load``); V-ZB with the flag saves and V-Half
   without it resumes (shards -> Megatron's layout); V-Half without the flag saves and V-ZB with it
-  resumes, with untied embeddings (see :data:`TIED_V_SAVE`).
+  resumes, untied and tied; tied V-Half resumes its checkpoint in Megatron's default format.
 
 Across the flag the chunks hold other parameters, so Megatron's default optimizer format (its DP buckets'
 flat layout, ``dp_reshardable``) cannot be loaded by the other layout; those runs save with
@@ -40,12 +42,14 @@ BY_NAME = "--dist-ckpt-optim-fully-reshardable"  # the optimizer state by parame
 UNTIED = "--untie-embeddings-and-output-weights"
 TIMEOUT = 240
 
-# V-Half without the flag at DP 2 cannot save a tied model's checkpoint yet (not a distributed-optimizer
-# matter): rank 0 holds the embedding and its tied copy under one key, and Megatron's fully parallel save
-# then marks both as the main replica ("Invalid sharding pattern validation ... embedding.word_embeddings.weight").
-# With --no-ckpt-fully-parallel-save it saves, but --dist-ckpt-optim-fully-reshardable then writes a wrong
-# optimizer "param" for that key. The direction into the flag from a V schedule is tested untied.
-TIED_V_SAVE = "V placement, tied embeddings, DP > 1"
+# A V schedule without the flag puts the embedding (chunk 0) and its tied copy (chunk 1, the last stage's
+# output layer) on rank 0 under one checkpoint key. Before model_chunks.install_checkpoint_fixes, Megatron's
+# fully parallel save marked both as the main replica at DP > 1 ("Invalid sharding pattern validation ...
+# embedding.word_embeddings.weight"), and --dist-ckpt-optim-fully-reshardable saved that key's optimizer
+# state 64 elements off (megatron-core 0.19's bucket offsets: the embedding's bucket follows a padded one),
+# so a resume trained from other weights (lm loss 6.882394 at iteration 3, not 6.875809).
+TIED_V_SAVE = "V placement, tied embeddings"
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _train(python: str, script: Path, schedule: str, *extra: str) -> str:
@@ -104,6 +108,29 @@ def _optimizer_state_keys(checkpoint: Path) -> set[str]:
     return set(FileSystemReader(str(checkpoint / "iter_0000002")).read_metadata().state_dict_metadata)
 
 
+def _saved_tensors(checkpoint: Path, *keys: str) -> dict:
+    """The tensors saved under ``keys`` in iteration 2's checkpoint, read in this process."""
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    reader = FileSystemReader(str(checkpoint / "iter_0000002"))
+    metadata = reader.read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(metadata[key].size) for key in keys}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def _assert_embedding_state_is_the_embeddings(checkpoint: Path) -> None:
+    """The fully reshardable optimizer state's fp32 "param" of the embedding is the saved embedding."""
+    saved = _saved_tensors(checkpoint, EMBEDDING, f"optimizer.state.param.{EMBEDDING}")
+    assert saved[EMBEDDING].equal(saved[f"optimizer.state.param.{EMBEDDING}"]), (
+        (saved[EMBEDDING] - saved[f"optimizer.state.param.{EMBEDDING}"]).abs().max())
+
+
 @pytest.fixture(scope="module")
 def client_script(megatron_lm_019):
     return megatron_lm_019 / "pretrain_gpt.py"
@@ -124,6 +151,42 @@ def test_megatrons_distributed_optimizer_checkpoint_resumes_with_the_flag(mc19_p
             for name in ("embedding.word_embeddings.weight", "decoder.layers.mlp.linear_fc1.weight")} <= saved
     resumed = _train(mc19_python, client_script, "v-zb", FLAG, *_load_2(checkpoint))
     assert "vocab_parallel.embedding_weight" in resumed  # the resumed run holds vocabulary shards
+    _assert_resumes(reference, resumed)
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_tied_v_half_checkpoint_resumes_from_a_fully_parallel_save(mc19_python, client_script, plain, tmp_path):
+    """:data:`TIED_V_SAVE`: Megatron's default (fully parallel) save, the optimizer state by name; 1F1B's
+    losses are V-Half's (the reference)."""
+    _, reference = plain
+    saver = _train(mc19_python, client_script, "v-half", *_save_at_2(tmp_path, stop=True, by_name=True))
+    _assert_first_iterations(reference, saver)
+    _assert_embedding_state_is_the_embeddings(tmp_path)
+    _assert_resumes(reference, _train(mc19_python, client_script, "v-half", "--load", str(tmp_path)))
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_tied_v_half_checkpoint_in_megatrons_default_format_resumes(mc19_python, client_script, plain, tmp_path):
+    """:data:`TIED_V_SAVE` in the optimizer's default format (``dp_reshardable``), fully parallel save."""
+    _, reference = plain
+    saver = _train(mc19_python, client_script, "v-half", *_save_at_2(tmp_path, stop=True, by_name=False))
+    _assert_first_iterations(reference, saver)
+    assert any(key.endswith("bucket_idx_0.exp_avg") for key in _optimizer_state_keys(tmp_path))
+    _assert_resumes(reference, _train(mc19_python, client_script, "v-half", "--load", str(tmp_path)))
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_tied_v_half_checkpoint_resumes_with_the_flag(mc19_python, client_script, plain, tmp_path):
+    """:data:`TIED_V_SAVE`, saved by name without the fully parallel save, resumed by V-ZB with the flag."""
+    _, reference = plain
+    saver = _train(mc19_python, client_script, "v-half", "--no-ckpt-fully-parallel-save",
+                   *_save_at_2(tmp_path, stop=True, by_name=True))
+    _assert_first_iterations(reference, saver)
+    _assert_embedding_state_is_the_embeddings(tmp_path)
+    resumed = _train(mc19_python, client_script, "v-zb", FLAG, "--load", str(tmp_path))
+    assert "vocab_parallel.embedding_weight" in resumed
     _assert_resumes(reference, resumed)
 
 
@@ -154,7 +217,7 @@ def test_a_vocabulary_parallel_distributed_optimizer_checkpoint_resumes_without_
 @pytest.mark.extended
 @pytest.mark.timeout(5 * TIMEOUT)
 def test_a_v_half_distributed_optimizer_checkpoint_resumes_with_the_flag(mc19_python, client_script, tmp_path):
-    """Untied: see :data:`TIED_V_SAVE` (the tied direction into the flag is the default tier's, from 1F1B)."""
+    """Untied (tied: :func:`test_a_tied_v_half_checkpoint_resumes_with_the_flag`)."""
     reference = _train(mc19_python, client_script, "1f1b", UNTIED)
     saver = _train(mc19_python, client_script, "v-half", UNTIED, *_save_at_2(tmp_path, stop=True, by_name=True))
     _assert_first_iterations(reference, saver)
