@@ -125,3 +125,18 @@ def test_the_h_placements_bound_skips_nothing_it_should_not(monkeypatch, name):
             plain = get_schedule(name, d, m, costs)
             monkeypatch.undo()
             assert fast.programs == plain.programs
+
+
+def test_a_shared_proxy_ranking_builds_what_a_fresh_one_builds():
+    """best_of's proxy ranking is shared between sizes with the same proxy (d >= 16, m >= 64) and costs;
+    each size built after another equals its build from a fresh ranking."""
+    from megatron_vshape.schedules.generators import zero_bubble
+
+    costs = Costs(1, 1.04, 0.92, 0.088)
+    cells = [("zb-1p", 16, 136), ("zb-1p", 17, 144), ("v-zb", 16, 140)]
+    zero_bubble._PROXY_RANKS.clear()
+    shared = [get_schedule(name, d, m, costs).programs for name, d, m in cells]
+    assert len(zero_bubble._PROXY_RANKS) == 2  # one ranking per family: the second ZB-1P size reused it
+    for (name, d, m), programs in zip(cells, shared):
+        zero_bubble._PROXY_RANKS.clear()
+        assert get_schedule(name, d, m, costs).programs == programs

@@ -115,13 +115,17 @@ def greedy_candidates(family: GreedyFamily, costs: Costs, memory: MemoryModel = 
 
 
 def best_of(name: str, candidates: Sequence[Candidate], num_devices: int, num_microbatches: int,
-            costs: Costs, memory: MemoryModel = MemoryModel()) -> Schedule:
+            costs: Costs, memory: MemoryModel = MemoryModel(), share: tuple | None = None) -> Schedule:
     """The lowest-makespan schedule among the candidates (ties: lower peak under ``memory``, then
     list order).
 
     Large problems rank the candidates on a smaller pipeline (at most 16 devices, 4
     microbatches per device: the steady state decides the winner there too) and build only the
     best at full size; a winner that fails at full size hands over to the next.
+
+    ``share``: a key that names the candidate list (the family and its rule set, the costs, the memory
+    model); the proxy's ranking is then kept and shared by every size that ranks on the same proxy (the
+    planner asks for many sizes of one family at the same costs: d >= 16 and m >= 64 all rank on 16 x 64).
     """
     if num_devices * num_microbatches <= _FULL_SIZE_RANKING_MAX_CELLS:
         ranked = _rank(candidates, num_devices, num_microbatches, costs, memory)
@@ -129,11 +133,25 @@ def best_of(name: str, candidates: Sequence[Candidate], num_devices: int, num_mi
             raise ScheduleError(f"{name}: no variant fits the memory caps")
         return ranked[0][2]
     proxy_d = min(num_devices, 16)
-    for _, index, _ in _rank(candidates, proxy_d, min(num_microbatches, 4 * proxy_d), costs, memory):
+    proxy_m = min(num_microbatches, 4 * proxy_d)
+    key = None if share is None else (*share, len(candidates), proxy_d, proxy_m, costs, memory)
+    order = _PROXY_RANKS.get(key) if key is not None else None
+    if order is None:
+        order = tuple(index for _, index, _ in _rank(candidates, proxy_d, proxy_m, costs, memory))
+        if key is not None:
+            _PROXY_RANKS[key] = order
+            while len(_PROXY_RANKS) > _PROXY_RANKS_KEPT:
+                _PROXY_RANKS.pop(next(iter(_PROXY_RANKS)))
+    for index in order:
         schedule = candidates[index](num_devices, num_microbatches)
         if schedule is not None:
             return schedule
     raise ScheduleError(f"{name}: no variant fits the memory caps")
+
+
+# Proxy rankings kept for best_of's ``share`` (oldest dropped first).
+_PROXY_RANKS: dict[tuple, tuple[int, ...]] = {}
+_PROXY_RANKS_KEPT = 256
 
 
 def best_greedy(family: GreedyFamily, num_devices: int, num_microbatches: int, costs: Costs,
@@ -199,7 +217,7 @@ V_ZB = GreedyFamily("v-zb", Placement.v_shape, _caps(1.0))
 def zb_h1(num_devices: int, num_microbatches: int, costs: Costs, memory: MemoryModel = MemoryModel()) -> Schedule:
     """ZB-H1: 1F1B's memory and in-flight count, W passes moved into the bubbles."""
     candidates = _constructive_zb("zb-h1", 1.0, costs, memory, limited=True) + greedy_candidates(ZB_H1, costs, memory)
-    return best_of("zb-h1", candidates, num_devices, num_microbatches, costs, memory)
+    return best_of("zb-h1", candidates, num_devices, num_microbatches, costs, memory, share=("zb-h1",))
 
 
 def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int,
@@ -213,7 +231,7 @@ def zb_p(num_devices: int, num_microbatches: int, costs: Costs, factor: int,
     """
     family = ZB_1P if factor == 1 else ZB_2P
     candidates = _constructive_zb(family.name, float(factor), costs, memory) + greedy_candidates(family, costs, memory)
-    return best_of(family.name, candidates, num_devices, num_microbatches, costs, memory)
+    return best_of(family.name, candidates, num_devices, num_microbatches, costs, memory, share=(family.name,))
 
 
 def _constructive_zb(name: str, factor: float, costs: Costs, memory: MemoryModel = MemoryModel(),
@@ -247,4 +265,4 @@ def v_zb(num_devices: int, num_microbatches: int, costs: Costs, memory: MemoryMo
     # settings (d 4/8, m 2d/4d, with and without comm) each won about half the cells, by up to 8 %.
     if num_microbatches < 2 * num_devices or num_devices <= 2 or not costs.uniform:
         candidates += greedy_candidates(V_ZB, costs, memory)
-    return best_of("v-zb", candidates, num_devices, num_microbatches, costs, memory)
+    return best_of("v-zb", candidates, num_devices, num_microbatches, costs, memory, share=("v-zb",))
