@@ -107,12 +107,15 @@ class TimedPrefix:
 
 
 def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple[float, ...], table,
-                    vocab_shards: int = 0, prefix: TimedPrefix | None = None, horizon_pass: int = -1) -> ProgramTimes:
+                    vocab_shards: int = 0, prefix: TimedPrefix | None = None, horizon_pass: int = -1,
+                    solo_pass: int = -1) -> ProgramTimes:
     """:func:`run_programs` on programs of pass ids, its input table given; from ``prefix`` when given
     (the passes in it are not timed again; the lists are copied). With ``horizon_pass`` (a pass id) the run
     stops early: once that pass is timed, a device stops when it is free later than the pass's end plus the
     longest pass and message (every pass starting by then is timed, the rest are left UNSET and the
-    device's cursor short: a caller that looks only that far ahead pays for no more)."""
+    device's cursor short: a caller that looks only that far ahead pays for no more). ``solo_pass``: a
+    collective pass (an H) that runs alone on its device, as soon as its device and inputs allow, without
+    waiting for the other shards (a relaxation: nothing ends later than with the rendezvous)."""
     m, per_kind = ids.num_microbatches, ids.per_kind
     kinds = 5 if vocab_shards else 3
     if prefix is None:
@@ -163,7 +166,7 @@ def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple
                 e += second_delay[k]
                 if e > ready:
                     ready = e
-            if x >= first_collective and x < end_collective:
+            if x >= first_collective and x < end_collective and x != solo_pass:
                 arrivals = arrived.setdefault(x % m, [])
                 if any(entry[0] == device for entry in arrivals):
                     break  # already waiting at this rendezvous

@@ -75,11 +75,27 @@ class _HPlacer:
         self.forwards = [self.ids.of(a) for a in schedule.programs[self.holder]
                          if a.kind is Kind.F and a.stage == last]
 
-    def run(self, programs: list[list[int]], prefix: TimedPrefix | None, n: int | None = None) -> ProgramTimes:
+    def run(self, programs: list[list[int]], prefix: TimedPrefix | None, n: int | None = None,
+            solo: int = -1) -> ProgramTimes:
         """The programs timed from ``prefix``; with ``n``, only as far as the n-th rendezvous's trials look:
-        to a little past the end of the last stage's next forward (its pace; every pass starting by then)."""
+        to a little past the end of the last stage's next forward (its pace; every pass starting by then).
+        ``solo``: an H that runs without its rendezvous (``run_id_programs``' relaxation)."""
         horizon = self.forwards[n + 1] if n is not None and n + 1 < len(self.forwards) else -1
-        return run_id_programs(programs, self.ids, self.durations, self.table, self.num_devices, prefix, horizon)
+        return run_id_programs(programs, self.ids, self.durations, self.table, self.num_devices, prefix, horizon,
+                               solo)
+
+    def relaxed_pace(self, trial: _Trial, prefix: TimedPrefix, n: int) -> float:
+        """A lower bound on the pace of every trial of rendezvous n + 1 after ``trial``: the end of the last
+        stage's next forward with that rendezvous's H on the last stage's device alone, run without waiting
+        for the other shards, and on no other device (fewer constraints: nothing ends later). -1 if that
+        forward is not timed."""
+        programs = list(trial.programs)
+        holder = list(programs[self.holder])
+        forward = self.forwards[n + 1]
+        h = self.ids.of(Action(VocabKind.H, self.holder, forward % self.m))
+        holder.insert(holder.index(forward) + 1, h)
+        programs[self.holder] = holder
+        return self.run(programs, prefix, n + 1, solo=h).end[self.forwards[n + 2]]
 
     def trials(self, programs: list[list[int]], times: ProgramTimes, prefix: TimedPrefix | None,
                n: int) -> list[_Trial]:
@@ -116,7 +132,8 @@ class _HPlacer:
         # The same choice as looking ahead from every trial, with fewer runs: trials go in order of their own
         # pace, and one whose next rendezvous cannot come before the best found so far is not looked ahead
         # from. Its next pace (the end of the last stage's forward after next) is at least its own pace plus
-        # what the last stage's device runs in between, the next H included (one pass after another).
+        # what the last stage's device runs in between, the next H included (one pass after another), and at
+        # least its relaxed pace (``relaxed_pace``: one run).
         busy = self._busy_to_next_pace(trials[0].programs[self.holder], n)
         best: tuple[tuple[float, float], int] | None = None
         best_ahead: list[_Trial] | None = None
@@ -124,7 +141,10 @@ class _HPlacer:
             trial = trials[i]
             if best is not None and busy is not None and trial.pace + busy - _BOUND_MARGIN > best[0][0]:
                 continue
-            ahead = self.trials(trial.programs, trial.times, _prefix_through(trial), n + 1)
+            prefix = _prefix_through(trial)
+            if best is not None and busy is not None and self.relaxed_pace(trial, prefix, n) - _BOUND_MARGIN > best[0][0]:
+                continue  # one run instead of one per trial of the next rendezvous
+            ahead = self.trials(trial.programs, trial.times, prefix, n + 1)
             key = (round(min((t.pace for t in ahead), default=float("inf")), 9), round(trial.pace, 9))
             if best is None or (key, i) < best:
                 best, best_ahead = (key, i), ahead
