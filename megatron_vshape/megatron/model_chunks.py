@@ -234,10 +234,14 @@ def install_checkpoint_fixes(args) -> None:
 
     * V schedules: :func:`_install_one_main_replica_per_rank`.
     * Every run on a megatron-core before 0.20: :func:`_install_fully_reshardable_bucket_offsets`.
+
+    And, on load, a distributed optimizer's bucket-layout state across ``--pipeline-vocab-parallel`` is
+    refused in one line (:func:`_install_optimizer_format_check`).
     """
     _install_fully_reshardable_bucket_offsets()
     if args.pipeline_schedule in V_SCHEDULE_NAMES:
         _install_one_main_replica_per_rank()
+    _install_optimizer_format_check()
 
 
 _SAVING = contextvars.ContextVar("vshape_fully_parallel_saving", default=False)
@@ -365,3 +369,50 @@ def _at_bucket_offsets(buffers, state):
                 assert start == flat.numel(), (key, start, flat.numel())
                 world[key] = at_offsets
     return state
+
+
+def _install_optimizer_format_check() -> None:
+    """Refuse to load a distributed optimizer's bucket-layout state (Megatron's default ``dp_reshardable``)
+    saved on the other side of ``--pipeline-vocab-parallel`` in one line, before Megatron reads it.
+
+    The flag moves the embedding and the output layer out of Megatron's chunks into vocabulary shards, so
+    each chunk's DP buckets hold other parameters, and Megatron stopped every rank with a traceback ("Global
+    shape mismatch ... bucket_idx_0.param"). ``load_checkpoint`` first reads the checkpoint's common state
+    (``_load_base_checkpoint(..., rank0=True)``): its saved arguments carry the saving run's flag, and its
+    content metadata the optimizer's format. Checked where Megatron would load the optimizer state (not
+    with ``--no-load-optim``, ``--finetune``, a release checkpoint, or one saved without it).
+    """
+    from megatron.training import checkpointing
+
+    original = checkpointing._load_base_checkpoint
+    if getattr(original, "_vshape", False):
+        return
+
+    @functools.wraps(original)
+    def _load_base_checkpoint(load_dir, args, rank0=False, *rest, **kwargs):
+        from .arguments import exit_on_error
+
+        loaded = original(load_dir, args, rank0, *rest, **kwargs)
+        if rank0:  # one line and exit 2 on every rank (each reads the same common state), as at start-up
+            exit_on_error(_check_optimizer_format, args, loaded[0], release=loaded[2])
+        return loaded
+
+    _load_base_checkpoint._vshape = True
+    checkpointing._load_base_checkpoint = _load_base_checkpoint
+
+
+def _check_optimizer_format(args, state_dict, release: bool) -> None:
+    from megatron.core import dist_checkpointing
+
+    from .vocab_checks import check_optimizer_checkpoint_across_flag
+
+    if state_dict is None or release or not getattr(args, "use_distributed_optimizer", False):
+        return
+    saved_args = state_dict.get("args")
+    if (saved_args is None or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)
+            or getattr(saved_args, "no_save_optim", False)):
+        return
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=state_dict) or {}
+    check_optimizer_checkpoint_across_flag(bool(getattr(saved_args, "pipeline_vocab_parallel", False)),
+                                           bool(getattr(args, "pipeline_vocab_parallel", False)),
+                                           metadata.get("distrib_optim_sharding_type"))

@@ -52,7 +52,7 @@ TESTED = (
     TestedVersion("0.16.1"),
     TestedVersion("0.19.2"),
     TestedVersion("0.20.0", commit="d98e8a64",
-                  fingerprint="9721a9cbd1fdfdda36d0048381df7b3110f6b603ee6b83bc4504b9f5d61c55f3"),
+                  fingerprint="7ef7081cb5da89276054b86f99039bf46b4361a490804aeeaa4f8bf1d156275c"),
 )
 TESTED_VERSIONS = tuple(str(tested) for tested in TESTED)
 
@@ -126,6 +126,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_DISTOPT, "DistributedOptimizer.sharded_param_state_fully_reshardable", ("self", "model_sharded_state_dict"),
           Group.GPU, Match.LEADING),
     Patch(_DISTOPT, "DistributedOptimizer.get_parameter_state_dp_zero", None, Group.GPU),
+    # model_chunks._install_optimizer_format_check: bucket-layout optimizer state across --pipeline-vocab-parallel
+    Patch("megatron.training.checkpointing", "_load_base_checkpoint", ("load_dir", "args", "rank0"), Group.GPU,
+          Match.LEADING),
+    Patch("megatron.core.dist_checkpointing", "load_content_metadata", ("preloaded_state_dict",), Group.GPU,
+          Match.CONTAINS),
     Patch("megatron.training.initialize", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,
           Match.CONTAINS),
     Patch("megatron.training.training", "initialize_megatron", ("allow_no_cuda",), Group.TRAINING_CPU,

@@ -130,3 +130,22 @@ def vocab_parallel_problem(args, core_version: str | None = None) -> str | None:
         core = sys.modules.get("megatron.core")
         core_version = getattr(core, "__version__", "") if core is not None else ""
     return next(_refusals(args, core_version), None)
+
+
+# The distributed optimizer's checkpoint formats that keep its state in the flat layout of each chunk's DP
+# buckets (Megatron's default, ``dp_reshardable``, and older ones): the flag puts other parameters in them.
+BUCKET_FORMATS = frozenset({"dp_reshardable", "dp_zero_gather_scatter", "fully_sharded_bucket_space"})
+
+
+def check_optimizer_checkpoint_across_flag(saved_with_flag: bool, loading_with_flag: bool,
+                                           optimizer_format: str | None) -> None:
+    """Refuse, in one line, to load a distributed optimizer's bucket-layout state across the flag (Megatron
+    would stop every rank with "Global shape mismatch ... bucket_idx_0.param")."""
+    if saved_with_flag == loading_with_flag or optimizer_format not in BUCKET_FORMATS:
+        return
+    saved, loading = ("with", "does not use it") if saved_with_flag else ("without", "uses it")
+    raise ConfigError(
+        f"{FLAG}: the checkpoint was saved {saved} the flag and this run {loading}, but its distributed-"
+        f"optimizer state is in the {optimizer_format} format (each chunk's DP buckets, which the flag changes); "
+        "save it with --dist-ckpt-optim-fully-reshardable (the state by parameter name), resume under the "
+        "saving run's flag, or add --no-load-optim (a fresh optimizer)")

@@ -15,12 +15,14 @@ not resume such a checkpoint at all; ``cpu_mode._install_torch_adam_checkpoints`
 * ``-m extended``: Megatron's 1F1B resumes its own checkpoint in Megatron's default format (the
   reproduction of the issue: ``--exit-interval 2``, then ``--load``); V-ZB with the flag saves and V-Half
   without it resumes (shards -> Megatron's layout); V-Half without the flag saves and V-ZB with it
-  resumes, untied and tied; tied V-Half resumes its checkpoint in Megatron's default format.
+  resumes, untied and tied; tied V-Half resumes its checkpoint in Megatron's default format, which a run
+  with the flag refuses in one line.
 
 Across the flag the chunks hold other parameters, so Megatron's default optimizer format (its DP buckets'
-flat layout, ``dp_reshardable``) cannot be loaded by the other layout; those runs save with
-``--dist-ckpt-optim-fully-reshardable`` (every parameter's state by its name). The run that loads needs
-no flag for it: Megatron reads the format from the checkpoint.
+flat layout, ``dp_reshardable``) cannot be loaded by the other layout (refused in one line:
+``model_chunks._install_optimizer_format_check``); those runs save with ``--dist-ckpt-optim-fully-reshardable``
+(every parameter's state by its name). The run that loads needs no flag for it: Megatron reads the format
+from the checkpoint.
 """
 
 from __future__ import annotations
@@ -168,12 +170,19 @@ def test_a_tied_v_half_checkpoint_resumes_from_a_fully_parallel_save(mc19_python
 @pytest.mark.extended
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_a_tied_v_half_checkpoint_in_megatrons_default_format_resumes(mc19_python, client_script, plain, tmp_path):
-    """:data:`TIED_V_SAVE` in the optimizer's default format (``dp_reshardable``), fully parallel save."""
+    """:data:`TIED_V_SAVE` in the optimizer's default format (``dp_reshardable``), fully parallel save; with the
+    flag the same checkpoint is refused in one line on every rank (Megatron stopped each with a traceback)."""
     _, reference = plain
     saver = _train(mc19_python, client_script, "v-half", *_save_at_2(tmp_path, stop=True, by_name=False))
     _assert_first_iterations(reference, saver)
     assert any(key.endswith("bucket_idx_0.exp_avg") for key in _optimizer_state_keys(tmp_path))
     _assert_resumes(reference, _train(mc19_python, client_script, "v-half", "--load", str(tmp_path)))
+    refused = launch_ranks(mc19_python, 4, ["-m", "megatron_vshape.run", str(client_script)],
+                           ["--pipeline-schedule", "v-zb", FLAG, *TINY, "--load", str(tmp_path)], timeout=TIMEOUT)
+    assert refused.returncode == 2 and "Traceback" not in refused.stdout, refused.stdout[-3000:]
+    assert (f"megatron-vshape error: {FLAG}: the checkpoint was saved without the flag and this run uses it, "
+            f"but its distributed-optimizer state is in the dp_reshardable format") in refused.stdout
+    assert BY_NAME in refused.stdout
 
 
 @pytest.mark.extended
