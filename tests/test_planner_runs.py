@@ -61,7 +61,7 @@ def test_uniform_layout_with_the_heads_stage_built_from_the_stage_costs():
     memory; the uniform-built V-ZB and ZB-1P are shorter only by holding more than their cap (1F1B's peak
     under the stages' memory). ``pytest -s`` prints the numbers docs/schedules.md quotes."""
     from megatron_vshape.schedules.core.schedule import one_f_one_b_peak
-    from megatron_vshape.schedules.generators.registry import SCHEDULES
+    from megatron_vshape.schedules.generators.registry import SCHEDULES, UNIFORM_ORDER_MARGIN
 
     args = cli.build_parser().parse_args(PLAN)
     cli.resolve(args, LLAMA3_8B)
@@ -79,7 +79,7 @@ def test_uniform_layout_with_the_heads_stage_built_from_the_stage_costs():
               f"{uniform.makespan_total:.4f} s (peak {uniform.peak_memory_max:.2f}), bound {bound:.2f}")
         assert staged.peak_memory_max <= bound + 1e-9
         if uniform.peak_memory_max <= bound + 1e-9:
-            assert staged.makespan <= uniform.makespan + 1e-9
+            assert staged.makespan * (1 - UNIFORM_ORDER_MARGIN) <= uniform.makespan + 1e-9
     # The 7 % of V-ZB built from the stage costs against the uniform-built order (commit c2f15b6) is the
     # price of the cap: the uniform-built order holds more than 1F1B's peak under the head's logits.
     assert uniform.peak_memory_max > bound + 1e-9 and uniform.makespan < staged.makespan
