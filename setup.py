@@ -24,7 +24,8 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7", "ruff>=0.5",
                  "import-linter>=2.1",  # the layering contracts (pyproject.toml, tests/test_import_layers.py)
                  "ortools>=9.10",  # the solver extra: the oracle tests (tests/test_optimize*.py) run in CI
-                 "pybind11>=2.10"],  # builds Megatron-LM main's dataset helpers (megatron/dataset_helpers.py)
+                 "pybind11>=2.10",  # builds Megatron-LM main's dataset helpers (megatron/dataset_helpers.py)
+                 "allpairspy>=2.5"],  # the pairwise feature matrix (testing/feature_matrix.py)
     },
     entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},
 )

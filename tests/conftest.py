@@ -79,7 +79,7 @@ def megatron_main(tmp_path_factory) -> Path:
 
 # The longest files of a CI run (each 1.5-5 minutes of a 2-core machine: Megatron training launches,
 # the full-size Slurm schedules), longest first. Only an ordering hint: a file not listed still runs.
-LONGEST_FILES = ("megatron/test_pretrain_cpu.py", "runtime/test_executor_exact.py",
+LONGEST_FILES = ("megatron/test_feature_matrix.py", "megatron/test_pretrain_cpu.py", "runtime/test_executor_exact.py",
                  "megatron/test_real_client_hybrid.py", "megatron/test_slurm.py", "megatron/test_real_client.py",
                  "megatron/test_recipes.py", "runtime/test_other_megatron_core.py")
 

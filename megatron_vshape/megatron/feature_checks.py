@@ -41,6 +41,17 @@ def check_cpu_features(args, sizes) -> str | None:
     return None
 
 
+def check_moe_tensor_parallel(args, sizes) -> str | None:
+    """megatron-core's MoE layer raises at the first training step when TP > 1 runs without sequence parallelism
+    (``MoELayer.forward``: "performance may degrade ..."), under every schedule, Megatron's own included: one
+    line before any rank computes instead of a traceback per rank at iteration 1."""
+    if getattr(args, "num_experts", None) and sizes.tp > 1 and not getattr(args, "sequence_parallel", False):
+        return ("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core's MoE "
+                "layer refuses to train without it); add --sequence-parallel" +
+                (", which needs a GPU (--cpu cannot take it)" if getattr(args, "cpu", False) else ""))
+    return None
+
+
 def check_context_parallel(args, sizes) -> str | None:
     """Context parallelism splits each sequence over ranks; only TE's attention exchanges the keys and values."""
     if sizes.cp <= 1:

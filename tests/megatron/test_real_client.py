@@ -91,20 +91,12 @@ def megatron_1f1b(mc19_python, client_dir) -> dict:
     return losses
 
 
-# The default run: V-Half (the README's torchrun command). V-ZB trains through this same script and runner in
-# test_pretrain_cpu.py (resuming V-Half's checkpoint under the balanced layout); the others, whose executor
-# path is the same and whose gradients are checked against one process in tests/runtime, run with -m extended.
-DEFAULT_RUN = ("v-half",)
-
-
+# V-Half through torchrun (the README's command). Every schedule trains through this same script and runner in
+# the pairwise feature matrix (test_feature_matrix.py), crossed with the other features.
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
-@pytest.mark.parametrize("schedule", [
-    name if name in DEFAULT_RUN else pytest.param(name, marks=pytest.mark.extended)
-    for name in schedule_names() if name != "1f1b"])
-def test_runner_trains_every_schedule_on_the_unmodified_script(mc19_python, client_dir, megatron_1f1b, schedule):
-    launcher = torchrun if schedule == "v-half" else launch_ranks  # the README's command
-    losses = train(mc19_python, ["-m", "megatron_vshape.run", str(client_dir / "pretrain_gpt.py")], schedule,
-                   launcher=launcher)
+def test_runner_trains_v_half_on_the_unmodified_script_by_the_readmes_command(mc19_python, client_dir, megatron_1f1b):
+    losses = train(mc19_python, ["-m", "megatron_vshape.run", str(client_dir / "pretrain_gpt.py")], "v-half",
+                   launcher=torchrun)
     assert_same_losses(megatron_1f1b, losses)
 
 
