@@ -176,7 +176,7 @@ class ScheduleSpec:
         raise ScheduleError(self.check(num_devices, num_microbatches) or f"{self.name}: no microbatch count fits")
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=64)  # the planner asks for tens of (d, m, base costs) with many stage-cost sets each
 def _uniform_built(name: str, request: Request) -> Schedule | None:
     """Schedule ``name`` built for uniform stages (shared by every stage-cost set with the same base costs:
     the planner asks for many), or None where the generator cannot build it."""
