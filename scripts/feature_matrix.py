@@ -42,6 +42,10 @@ def _cell(name: str, value) -> str:
     return str(value)
 
 
+def _listed(name: str, value) -> str:
+    return ("yes" if value else "no") if isinstance(value, bool) and name not in ("tied", "bf16") else _cell(name, value)
+
+
 def _outcome(result: dict | None) -> str:
     if result is None:
         return "not run"
@@ -62,9 +66,9 @@ def render(results: dict[str, dict]) -> str:
              f"`pretrain_gpt.py` or `pretrain_hybrid.py` and is compared with Megatron's own 1F1B without our flags "
              f"on the same model ({len({r.reference_key() for r in matrix})} reference runs): ✓ and the largest "
              f"relative difference of the printed lm losses and the validation loss (tolerance 1e-5 in fp32; in bf16 "
-             f"5e-5, and 3e-4 with MoE, whose router moves a token to another expert when its top-2 scores differ "
+             f"1e-4, and 3e-4 with MoE, whose router moves a token to another expert when its top-2 scores differ "
              f"by less than one bf16 rounding: `Row.tolerance`). Regenerate: `{COMMAND}`.", "",
-             "Factors: " + "; ".join(f"{name.replace('_', ' ')}: {', '.join(_cell(name, v) for v in values)}"
+             "Factors: " + "; ".join(f"{name.replace('_', ' ')}: {', '.join(_listed(name, v) for v in values)}"
                                     for name, values in fm.FACTORS.items()) + ".", "",
              "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for index, row in enumerate(matrix, 1):
@@ -72,7 +76,7 @@ def render(results: dict[str, dict]) -> str:
                  "default" if row in default else "extended", _outcome(results.get(row.name))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Excluded pairs (no row holds them):", ""]
-    lines += [f"- {a[0]} {_cell(*a)} with {b[0]} {_cell(*b)}: {why}" for a, b, why in
+    lines += [f"- {a[0]} {_listed(*a)} with {b[0]} {_listed(*b)}: {why}" for a, b, why in
               ((e.first, e.second, e.why) for e in fm.EXCLUDED)]
     lines += ["", "Not factors:", ""]
     lines += [f"- {what}: {why}" for what, why in fm.NOT_RUN]

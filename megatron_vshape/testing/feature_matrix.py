@@ -209,14 +209,16 @@ class Row:
     def tolerance(self) -> float:
         """Relative, per printed loss. fp32: 1e-5 (the rows print Megatron's losses to the last digit or
         within 2e-7). bf16 rounds each sum once, so another order of the same sums can differ in the last
-        bit: 5e-5 for dense models (the vocabulary shards sum the softmax statistics and the hidden state's
-        gradient per shard, docs/vocab_parallel.md "Numerics"; measured at most 1.6e-5 here), 3e-4 with MoE,
-        whose router sends a token whose top-2 scores differ by less than one bf16 rounding to another
-        expert, which moves that token's loss by O(1) (measured up to 1.0e-4). The MoE maths itself is held
-        exactly by the fp32 rows and by the one-process gradient checks of tests/megatron/test_recipes.py."""
+        bit, and the reference leaves out the DP options (Megatron's own 1F1B with the distributed optimizer
+        is 1.1e-5 from it in bf16 with MoE). 1e-4 for dense models (the vocabulary shards sum the softmax
+        statistics and the hidden state's gradient per shard, docs/vocab_parallel.md "Numerics"; measured at
+        most 3.8e-5, with the flag at TP 2: four shards), 3e-4 with MoE, whose router sends a token whose
+        top-2 scores differ by less than one bf16 rounding to another expert, which moves that token's loss
+        by O(1) (measured up to 1.0e-4). The maths itself is held exactly by the fp32 rows (all within
+        2.3e-7) and by the one-process gradient checks."""
         if not self.bf16:
             return 1e-5
-        return 3e-4 if self.moe else 5e-5
+        return 3e-4 if self.moe else 1e-4
 
     def as_dict(self) -> dict:
         return asdict(self)

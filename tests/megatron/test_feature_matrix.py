@@ -92,6 +92,25 @@ def test_the_matrix_covers_every_allowed_pair_and_the_default_tier_every_value()
         assert not any(exclusion.forbids(row.as_dict()) for row in MATRIX)
 
 
+def test_docs_recipes_md_holds_the_matrix_of_this_tree():
+    """docs/recipes.md's table is generated (scripts/feature_matrix.py) and lists exactly the rows of the
+    generator, in order, with a result for each: a changed factor or constraint must be rerun and rendered."""
+    import sys
+
+    from glue_support import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import feature_matrix as script
+
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    assert script.BEGIN in page and script.END in page
+    written = page.split(script.BEGIN, 1)[1].split(script.END, 1)[0]
+    table = [line for line in written.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    fresh = [line for line in script.render({}).splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    assert [r.rsplit(" | ", 1)[0] for r in table] == [r.rsplit(" | ", 1)[0] for r in fresh]
+    assert all(r.rsplit(" | ", 1)[1].startswith(("✓", "✗")) for r in table), "a row without its result"
+
+
 REFUSALS = textwrap.dedent("""
     import json, sys
     from megatron_vshape.megatron.check_flags import check
