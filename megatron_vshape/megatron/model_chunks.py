@@ -321,13 +321,15 @@ def _install_fully_reshardable_bucket_offsets() -> None:
     from other weights. Here that call sees the world tensors with each bucket at its buffer offset. Loading
     reads each rank's own parameter ranges and was right.
     """
-    import megatron.core
     from megatron.core.optimizer import distrib_optimizer
+
+    from ..runtime.compat import megatron_core_version
+    from .vocab_checks import version_tuple
 
     cls = distrib_optimizer.DistributedOptimizer
     original = cls.sharded_param_state_fully_reshardable
-    major, minor = (int(part) for part in megatron.core.__version__.split(".")[:2])
-    if getattr(original, "_vshape", False) or (major, minor) >= (0, 20):
+    version = version_tuple(megatron_core_version())
+    if getattr(original, "_vshape", False) or (version is not None and version >= (0, 20)):
         return
 
     @functools.wraps(original)

@@ -35,7 +35,7 @@ def check_vocab_sizes(padded_vocab: int, tp: int, pp: int, divisible_by: int | N
         f"{pp}, e.g. {suggestion} (Megatron pads to a multiple of it x TP)")
 
 
-def _version_tuple(text: str) -> tuple[int, ...] | None:
+def version_tuple(text: str) -> tuple[int, ...] | None:
     parts = []
     for piece in text.split("+")[0].split(".")[:2]:
         digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
@@ -47,7 +47,7 @@ def _version_tuple(text: str) -> tuple[int, ...] | None:
 
 def _refusals(args, core_version: str):
     """One line per thing this cannot run (the first is raised)."""
-    version = _version_tuple(core_version)
+    version = version_tuple(core_version)
     if version is not None and version < MIN_CORE_VERSION:
         yield (f"{FLAG} needs megatron-core 0.19.2 or Megatron-LM main; {version[0]}.{version[1]}.x is not supported; "
                f"upgrade megatron-core or drop {FLAG}")

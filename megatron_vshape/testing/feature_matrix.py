@@ -188,9 +188,9 @@ class Row:
             flags += ["--num-virtual-stages-per-pipeline-rank", "2"]
         if self.vocab:
             flags.append("--pipeline-vocab-parallel")
-        if self.layout_in_pattern:
-            pass
-        elif self.layout == "balanced":
+        if self.layout_in_pattern:  # the '|' segments of the pattern (model_flags) carry it
+            return flags
+        if self.layout == "balanced":
             flags += ["--pipeline-layout", "balanced"]
         elif self.layout == "explicit":
             flags += ["--pipeline-layout", explicit_layout(self.num_stages)]
