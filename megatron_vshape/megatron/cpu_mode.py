@@ -12,7 +12,8 @@ megatron-core assumes CUDA in a handful of places that are unrelated to the math
   no-argument form of ``Tensor.type()`` reports the CUDA name of a CPU tensor, so those checks
   see what they expect on a GPU.
 * **``torch.cuda`` calls**: ``synchronize``, ``empty_cache``, ``set_device`` become no-ops;
-  streams and events become inert objects (DDP's communication stream); the "CUDA" RNG state
+  streams and events become CPU stand-ins (:mod:`.cpu_streams`: DDP's communication stream, the streams,
+  events and ``record_stream`` of Megatron's combined 1F1B); the "CUDA" RNG state
   is the CPU generator's state (checkpointing and the rerun state machine read and write it).
 * **The RNG tracker**: megatron's ``CudaRNGStatesTracker`` forks CUDA generator states; the CPU
   tracker below forks the CPU default generator (dropout on CPU draws from it), so tensor-parallel
@@ -39,6 +40,8 @@ import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from . import cpu_streams
 
 _lock = threading.Lock()
 _enabled = False
@@ -209,59 +212,13 @@ def _install_torch_adam_checkpoints() -> None:
 
 # --- torch.cuda calls ------------------------------------------------------------------------
 
-class _InertStream:
-    """Stands in for ``torch.cuda.Stream``: on CPU every op is already ordered."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return event or _InertEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _InertEvent:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other) -> float:
-        return 0.0
-
-
 def _install_cuda_shims() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: 0
     cuda.synchronize = lambda device=None: None
     cuda.empty_cache = lambda: None
     cuda.set_device = lambda device: None
-    cuda.Stream = _InertStream
-    cuda.Event = _InertEvent
-    cuda.stream = lambda stream=None: contextlib.nullcontext()
-    cuda.default_stream = lambda device=None: _InertStream()
-    cuda.current_stream = lambda device=None: _InertStream()
+    cpu_streams.install()  # streams, events, Tensor.record_stream (see cpu_streams)
     # The "CUDA" generator of a CPU process is the CPU generator (checkpoints, rerun machine).
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)

@@ -52,7 +52,7 @@ TESTED = (
     TestedVersion("0.16.1"),
     TestedVersion("0.19.2"),
     TestedVersion("0.20.0", commit="d98e8a64",
-                  fingerprint="7ef7081cb5da89276054b86f99039bf46b4361a490804aeeaa4f8bf1d156275c"),
+                  fingerprint="445e856335bed0dd637cbe4988143d2e9eba1a45afdcae0bcd734c5b9468a623"),
 )
 TESTED_VERSIONS = tuple(str(tested) for tested in TESTED)
 
@@ -85,6 +85,7 @@ _LINEAR = "LinearWithGradAccumulationAndAsyncCommunication.backward"
 _RANDOM = "megatron.core.tensor_parallel.random"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer"
 _FULLY_PARALLEL = "megatron.core.dist_checkpointing.strategies.fully_parallel"
+_PP_UTILS = "megatron.core.pipeline_parallel.utils"
 _FORWARD_STEP = ("forward_step_func", "data_iterator", "model", "num_microbatches", "input_tensor",
                  "forward_data_store", "config", "cp_group_size", "collect_non_loss_data",
                  "checkpoint_activations_microbatch", "is_first_microbatch", "current_microbatch", "vp_stage",
@@ -116,6 +117,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_DISTOPT, "DistributedOptimizer.load_state_dict", ("self", "state_dict"), Group.CPU),
     Patch(_DISTOPT, "DistributedOptimizer._set_main_param_and_optimizer_states", ("self", "model_param", "tensors"),
           Group.CPU),
+    # cpu_streams: not replaced, but Megatron's combined 1F1B (--overlap-moe-expert-parallel-comm) creates its
+    # communication stream here and runs its schedule nodes on streams and events: what the CPU stand-ins
+    # serve. A rename must stop start-up, so the stand-ins are checked against the new code.
+    Patch(_PP_UTILS, "set_streams", ("comm_stream",), Group.CPU, Match.CONTAINS),
+    Patch(_PP_UTILS, "get_comm_stream", (), Group.CPU),
+    Patch(_PP_UTILS, "ScheduleNode", None, Group.CPU),
     # model_chunks.install_checkpoint_fixes: a V's tied copies in a fully parallel save; the fully_reshardable
     # optimizer save's bucket offsets (megatron-core < 0.20)
     Patch(_FULLY_PARALLEL, "distribute_main_replicas_with_precomputed_distribution",

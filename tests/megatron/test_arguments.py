@@ -111,6 +111,9 @@ BAD = {
                               "--sequence-parallel needs apex"),
     "split-delay-wgrad": (dict(delay_wgrad_compute=True), "--delay-wgrad-compute conflicts"),
     "split-grouped-gemm": (dict(moe_grouped_gemm=True), "--moe-grouped-gemm conflicts"),
+    # Issue 43: pairs are in the schedule model, not yet in the executor.
+    "split-overlap-moe-comm": (dict(overlap_moe_expert_parallel_comm=True, bf16=True),
+                               "--overlap-moe-expert-parallel-comm conflicts"),
     "split-tp-overlap": (dict(cpu=False, distributed_backend=None, tp_comm_overlap=True), "--tp-comm-overlap conflicts"),
     # Issue 12: what iteration 1 used to find (a ScheduleError traceback naming the CLI's flag) and
     # what the first save used to find, now refused at start-up.
