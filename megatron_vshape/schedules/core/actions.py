@@ -81,6 +81,37 @@ def parse_action(text: str) -> Action:
     return Action(_KIND_OF_LETTER[kind], int(stage), int(microbatch))
 
 
+class Pair(NamedTuple):
+    """An overlapped F&B pair: one microbatch's F and another microbatch's B, run together on one device.
+
+    DualPipe's and Megatron's combined 1F1B's unit of overlap: each pass's expert-parallel all-to-all runs
+    under the other pass's compute. Text form ``F3.7&B5.2`` (forward first), round-tripping through
+    :func:`parse_step`. A schedule keeps the two halves adjacent in its device's program, forward first
+    (``Schedule.pairs`` names them): run one after the other they are a legal order of their own, so code
+    that does not know pairs runs them serially.
+    """
+
+    forward: Action
+    backward: Action
+
+    def __str__(self) -> str:
+        return f"{self.forward}&{self.backward}"
+
+    def __repr__(self) -> str:
+        return f"Pair({self})"
+
+
+def parse_step(text: str) -> Action | Pair:
+    """An action (``F0.3``) or a pair (``F0.3&B5.1``): the inverse of ``str`` of either."""
+    forward, sep, backward = text.partition("&")
+    if not sep:
+        return parse_action(text)
+    pair = Pair(parse_action(forward), parse_action(backward))
+    if pair.forward.kind is not Kind.F or pair.backward.kind is not Kind.B:
+        raise ValueError(f"not a pair: {text!r} (expected an F, '&', then a B, e.g. 'F0.3&B5.1')")
+    return pair
+
+
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the paper
     return Action(Kind.F, stage, microbatch)
 

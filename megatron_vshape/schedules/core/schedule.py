@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from . import inputs
-from .actions import Action, Kind, VocabKind, parse_action
+from .actions import Action, Kind, Pair, VocabKind, parse_step
 
 
 class ScheduleError(ValueError):
@@ -164,6 +164,11 @@ class Costs:
     schedule's global stage index; empty means every stage is alike (the uniform model).
     ``vocab``: the vocabulary layers' work when they run as vocabulary-parallel passes (then the stages'
     work is the layers' alone); None: no vocabulary passes.
+    ``a2a``: the expert-parallel all-to-all time of each F and each B, as a multiple of that pass's F time
+    (``f`` x the placement's layer scale; the stages' multipliers do not scale it: they model the embedding's
+    and the head's extra work, which has no experts). An F or B alone exposes it in full; a pair
+    (:class:`~.actions.Pair`) hides each pass's all-to-all under the other's compute (:meth:`pair_time`).
+    0: no expert parallelism (every pre-existing result).
     """
 
     f: float = 1.0
@@ -172,14 +177,17 @@ class Costs:
     comm: float = 0.0
     stages: tuple[StageWork, ...] = ()
     vocab: VocabWork | None = None
+    a2a: float = 0.0
 
     def __post_init__(self) -> None:
         # NaN passes every `<= 0` check and hangs the reorder; infinity makes all times equal.
         # The ranges are the caller's business (parse checks user text); finiteness is everyone's.
-        bad = [f"{name}={getattr(self, name)}" for name in ("f", "b", "w", "comm")
+        bad = [f"{name}={getattr(self, name)}" for name in ("f", "b", "w", "comm", "a2a")
                if not math.isfinite(getattr(self, name))]
         if bad:
             raise ScheduleError(f"costs must be finite numbers; got {', '.join(bad)}")
+        if self.a2a < 0:
+            raise ScheduleError(f"costs: a2a (the all-to-all time per F and B) must be >= 0; got {self.a2a}")
         stages = tuple(self.stages)
         if not all(isinstance(work, StageWork) for work in stages):
             raise ScheduleError("Costs.stages must hold StageWork values (one per stage)")
@@ -194,6 +202,16 @@ class Costs:
             return base
         work = self.stages[stage]
         return base * (work.f if kind is Kind.F else work.b if kind is Kind.B else work.w)
+
+    def a2a_time(self, layer_scale: float = 1.0) -> float:
+        """The all-to-all time of one F or one B of a stage of ``layer_scale`` V chunks' layers."""
+        return self.a2a * self.f * layer_scale
+
+    def pair_time(self, forward: float, backward: float, layer_scale: float = 1.0) -> float:
+        """Time of an overlapped pair whose F computes for ``forward`` and whose B for ``backward``: their
+        compute plus the part of each all-to-all that the other pass's compute does not hide."""
+        a2a = self.a2a_time(layer_scale)
+        return forward + backward + max(0.0, a2a - backward) + max(0.0, a2a - forward)
 
     def memory_of(self, stage: int) -> float:
         """Multiplier of ``stage``'s activation memory per microbatch (1.0 when uniform)."""
@@ -223,7 +241,7 @@ class Costs:
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """Parse ``"f=1,b=1.1,w=0.9,comm=0.05"``; omitted keys keep their defaults.
+        """Parse ``"f=1,b=1.1,w=0.9,comm=0.05,a2a=0.5"``; omitted keys keep their defaults (a2a: 0).
 
         Each value must be finite and in range (see :mod:`.inputs`), else an InputError (a
         ValueError) naming the field, e.g. ``--costs: f: must be a finite number in [...]``.
@@ -232,9 +250,9 @@ class Costs:
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
             key = key.strip().lower()
-            if not sep or key not in ("f", "b", "w", "comm"):
-                raise inputs.InputError(f"--costs: bad item {item[:40]!r}; use e.g. f=1,b=1,w=1,comm=0")
-            check = inputs.comm_cost if key == "comm" else inputs.cost
+            if not sep or key not in ("f", "b", "w", "comm", "a2a"):
+                raise inputs.InputError(f"--costs: bad item {item[:40]!r}; use e.g. f=1,b=1,w=1,comm=0,a2a=0.5")
+            check = inputs.comm_cost if key in ("comm", "a2a") else inputs.cost
             values[key] = check(f"--costs: {key}", raw.strip())
         return cls(**values)
 
@@ -340,10 +358,32 @@ class Schedule:
     # True when the programs also hold the vocabulary passes (H and G of every shard and microbatch;
     # see actions.VocabKind and generators/vocab_passes.py).
     vocab_parallel: bool = False
+    # Overlapped F&B pairs (actions.Pair). Each pair's halves are adjacent in their device's program, forward
+    # first: the program order stays a legal serial order, and the ledger counts the F's allocation before the
+    # B's release (what an overlapped pair can hold at once). The validator checks both.
+    pairs: frozenset[Pair] = frozenset()
 
     @property
     def num_devices(self) -> int:
         return self.placement.num_devices
+
+    def steps(self, device: int) -> list[Action | Pair]:
+        """``device``'s program with each pair as one step (what runs as one unit)."""
+        program = self.programs[device]
+        if not self.pairs:
+            return list(program)
+        backward_of = {pair.forward: pair for pair in self.pairs}
+        out: list[Action | Pair] = []
+        i = 0
+        while i < len(program):
+            pair = backward_of.get(program[i])
+            if pair is not None and i + 1 < len(program) and program[i + 1] == pair.backward:
+                out.append(pair)
+                i += 2
+            else:
+                out.append(program[i])
+                i += 1
+        return out
 
     @property
     def num_stages(self) -> int:
@@ -376,19 +416,22 @@ class Schedule:
         return [sum(self.pass_cost(a, costs) for a in program) for program in self.programs]
 
     def to_text(self) -> str:
-        """One line per device, actions separated by spaces (round-trips with from_text)."""
-        return "\n".join(" ".join(str(a) for a in program) for program in self.programs)
+        """One line per device, steps separated by spaces, a pair as ``F3.7&B5.2`` (round-trips with from_text)."""
+        return "\n".join(" ".join(str(step) for step in self.steps(device)) for device in range(self.num_devices))
 
     @classmethod
     def from_text(cls, text: str, name: str, placement: Placement) -> Schedule:
+        lines = [[parse_step(tok) for tok in line.split()] for line in text.strip().splitlines()]
+        if len(lines) != placement.num_devices:
+            raise ScheduleError(f"{len(lines)} program lines for {placement.num_devices} devices")
+        pairs = frozenset(step for steps in lines for step in steps if isinstance(step, Pair))
         programs = tuple(
-            tuple(parse_action(tok) for tok in line.split()) for line in text.strip().splitlines()
+            tuple(a for step in steps for a in (step if isinstance(step, Pair) else (step,))) for steps in lines
         )
-        if len(programs) != placement.num_devices:
-            raise ScheduleError(f"{len(programs)} program lines for {placement.num_devices} devices")
         microbatches = {a.microbatch for program in programs for a in program}
         vocab = any(isinstance(a.kind, VocabKind) for program in programs for a in program)
-        return cls(name, placement, max(microbatches) + 1 if microbatches else 0, programs, vocab_parallel=vocab)
+        return cls(name, placement, max(microbatches) + 1 if microbatches else 0, programs, vocab_parallel=vocab,
+                   pairs=pairs)
 
 
 def vocab_pass_times(costs: Costs, shards: int) -> tuple[float, float]:

@@ -10,11 +10,11 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .actions import Action
+from .actions import Action, Kind
 from .gc_pause import without_gc
 from .ledger import pass_deltas
 from .schedule import Costs, MemoryModel, Schedule, ScheduleError, vocab_pass_times
-from .timing import KINDS, Interval, ProgramTimes, Timeline, run_programs, stage_durations
+from .timing import KINDS, Interval, PassIds, ProgramTimes, Timeline, run_programs, stage_durations
 
 __all__ = ["DeadlockError", "Interval", "SimulationResult", "simulate"]
 
@@ -34,6 +34,8 @@ class SimulationResult:
     peak_memory: tuple[float, ...]
     memory_timeline: tuple[tuple[tuple[float, float], ...], ...]
     work_each: tuple[float, ...] = ()  # busy time of every device (work_per_device is the largest)
+    # All-to-all time of every device that no compute hides (in work_each): 0 without costs.a2a.
+    exposed_a2a: tuple[float, ...] = ()
 
     @property
     def makespan_total(self) -> float:
@@ -51,7 +53,8 @@ class SimulationResult:
             "microbatches": self.schedule.num_microbatches,
             "num_stages": self.schedule.num_stages,
             "placement": self.schedule.placement.kind.value,
-            "costs": {"f": self.costs.f, "b": self.costs.b, "w": self.costs.w, "comm": self.costs.comm},
+            "costs": {"f": self.costs.f, "b": self.costs.b, "w": self.costs.w, "comm": self.costs.comm,
+                      **({"a2a": self.costs.a2a} if self.costs.a2a else {})},
             "stage_costs": [dataclasses.asdict(work) for work in self.costs.stages],
             "vocab_parallel": None if self.costs.vocab is None else dataclasses.asdict(self.costs.vocab),
             "work_each_device": list(self.work_each),
@@ -60,6 +63,8 @@ class SimulationResult:
             "work_per_device": self.work_per_device,
             "peak_memory": list(self.peak_memory),
             "peak_memory_max": self.peak_memory_max,
+            **({"pairs": len(self.schedule.pairs), "exposed_a2a_each_device": list(self.exposed_a2a)}
+               if self.costs.a2a or self.schedule.pairs else {}),
         }
 
 
@@ -71,9 +76,20 @@ def simulate(
     if costs.vocab is not None and not schedule.vocab_parallel:
         raise ScheduleError(f"schedule {schedule.name!r} holds no vocabulary passes but the costs give their "
                             "work; build it with those costs (the registry places the passes)")
-    times = _run_programs(schedule, costs)
+    pairs = pair_table(schedule, costs)
+    times = _run_programs(schedule, costs, pairs)
     spans = [times.end[program[-1]] - times.start[program[0]] for program in times.programs if program]
     work = _work(times, schedule.num_stages, costs.uniform and not schedule.vocab_parallel)
+    exposed = _exposed_a2a(schedule, costs, times, pairs)
+    if pairs:  # a pair takes its own time, not its halves' sum
+        saved = [0.0] * len(work)
+        for device, program in enumerate(times.programs):
+            for x in program:
+                if x in pairs:
+                    y, pair_time = pairs[x]
+                    saved[device] += times.durations[x // times.ids.num_microbatches] + \
+                        times.durations[y // times.ids.num_microbatches] - pair_time
+        work = [busy - cut for busy, cut in zip(work, saved)]
     makespan = max(spans, default=0.0)
     most_work = max(work, default=0.0)
     # The idle share of all devices' time. With uniform costs every device has the same work and this is
@@ -87,7 +103,8 @@ def simulate(
     mem_timelines = tuple(_memory_timeline(times, program, deltas) for program in times.programs)
     peaks = tuple(max((v for _, v in tl), default=0.0) for tl in mem_timelines)
     timeline = Timeline(times, schedule.programs)
-    return SimulationResult(schedule, costs, timeline, makespan, most_work, bubble, peaks, mem_timelines, tuple(work))
+    return SimulationResult(schedule, costs, timeline, makespan, most_work, bubble, peaks, mem_timelines, tuple(work),
+                            exposed)
 
 
 def _work(times: ProgramTimes, num_stages: int, uniform: bool) -> list[float]:
@@ -103,14 +120,14 @@ def _work(times: ProgramTimes, num_stages: int, uniform: bool) -> list[float]:
     return [sum(durations[x // m] for x in program) for program in times.programs]
 
 
-def _run_programs(schedule: Schedule, costs: Costs) -> ProgramTimes:
+def _run_programs(schedule: Schedule, costs: Costs, pairs: dict[int, tuple[int, float]]) -> ProgramTimes:
     """As-soon-as-possible execution of every device's program in order ("squeeze")."""
     placement = schedule.placement
     times = run_programs(
         schedule.programs, [placement.device_of(s) for s in range(placement.num_stages)],
         schedule.num_stages, schedule.num_microbatches,
         pass_durations(schedule, costs), costs.comm, schedule.fused_backward,
-        schedule.num_devices if schedule.vocab_parallel else 0,
+        schedule.num_devices if schedule.vocab_parallel else 0, pairs,
     )
     stuck = [str(schedule.programs[dev][times.cursor[dev]]) for dev in times.stuck]
     if stuck:
@@ -123,9 +140,58 @@ def pass_durations(schedule: Schedule, costs: Costs, vocab_parallel: bool | None
     passes' rows where the schedule holds them, or where ``vocab_parallel`` says it will)."""
     scale = schedule.placement.layer_scale
     per_stage = [tuple(costs.of(kind, stage) * scale for kind in KINDS) for stage in range(schedule.num_stages)]
+    if costs.a2a:  # an F or B alone exposes its all-to-all in full
+        a2a = costs.a2a_time(scale)
+        per_stage = [(f + a2a, b + a2a, w) for f, b, w in per_stage]
     with_vocab = schedule.vocab_parallel if vocab_parallel is None else vocab_parallel
     shards = schedule.num_devices if with_vocab else 0
     return stage_durations(per_stage, vocab_pass_times(costs, shards) if shards else None, shards)
+
+
+def pair_table(schedule: Schedule, costs: Costs) -> dict[int, tuple[int, float]]:
+    """The timing core's pairs: the F's pass id -> (the B's pass id, the pair's time under ``costs``).
+
+    ScheduleError when a pair's halves are not adjacent, forward first, in one device's program (the
+    validator says more: which rule a pair breaks)."""
+    if not schedule.pairs:
+        return {}
+    ids = PassIds(schedule.num_stages, schedule.num_microbatches)
+    scale = schedule.placement.layer_scale
+    position = {action: (device, i) for device, program in enumerate(schedule.programs)
+                for i, action in enumerate(program)}
+    table = {}
+    for pair in schedule.pairs:
+        where, after = position.get(pair.forward), position.get(pair.backward)
+        if where is None or after is None or after != (where[0], where[1] + 1):
+            raise ScheduleError(f"schedule {schedule.name!r}: pair {pair} is not its F then its B, adjacent on one "
+                                "device")
+        forward = costs.of(Kind.F, pair.forward.stage) * scale
+        backward = costs.of(Kind.B, pair.backward.stage) * scale
+        table[ids.of(pair.forward)] = (ids.of(pair.backward), costs.pair_time(forward, backward, scale))
+    return table
+
+
+def _exposed_a2a(schedule: Schedule, costs: Costs, times: ProgramTimes,
+                 pairs: dict[int, tuple[int, float]]) -> tuple[float, ...]:
+    """All-to-all time of each device that no compute hides: in full for an F or B alone, for a pair what
+    its time has beyond its compute."""
+    if not costs.a2a:
+        return tuple(0.0 for _ in times.programs)
+    a2a, per_kind = costs.a2a_time(schedule.placement.layer_scale), times.ids.per_kind
+    paired_backwards = {y for y, _ in pairs.values()}
+    out = []
+    for program in times.programs:
+        exposed = 0.0
+        for x in program:
+            if x in pairs:
+                y, pair_time = pairs[x]
+                m = times.ids.num_microbatches
+                compute = times.durations[x // m] + times.durations[y // m] - 2 * a2a
+                exposed += pair_time - compute
+            elif x < 2 * per_kind and x not in paired_backwards:  # an F or a B alone
+                exposed += a2a
+        out.append(round(exposed, 9))
+    return tuple(out)
 
 
 def _memory_timeline(times: ProgramTimes, program: list[int], deltas) -> tuple[tuple[float, float], ...]:

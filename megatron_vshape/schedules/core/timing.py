@@ -78,6 +78,7 @@ class ProgramTimes:
 def run_programs(
     programs, device_of_stage, num_stages: int, num_microbatches: int,
     durations, comm: float, fused_backward: bool = False, vocab_shards: int = 0,
+    pairs: Mapping[int, tuple[int, float]] | None = None,
 ) -> ProgramTimes:
     """As-soon-as-possible execution of every device's program in order.
 
@@ -85,13 +86,16 @@ def run_programs(
     ``kind * num_stages + stage`` (see :func:`stage_durations`; with vocabulary passes, 5 kinds). With
     ``fused_backward`` a B waits for the W of the stage after it (the gradient leaves only when that
     fused B+W ends). ``vocab_shards``: the programs hold vocabulary passes, shard r on device r.
+    ``pairs``: overlapped F&B pairs, the F's pass id -> (the B's pass id, the pair's time) (see
+    :func:`run_id_programs`).
     """
     durations = tuple(durations)
     if len(durations) == 3:
         durations = stage_durations([durations] * num_stages)
     ids = PassIds(num_stages, num_microbatches)
     table = input_table(device_of_stage, num_microbatches, comm, fused_backward, vocab_shards)
-    return run_id_programs([_ids_of(program, ids) for program in programs], ids, durations, table, vocab_shards)
+    return run_id_programs([_ids_of(program, ids) for program in programs], ids, durations, table, vocab_shards,
+                           pairs=pairs)
 
 
 @dataclass(frozen=True)
@@ -108,14 +112,17 @@ class TimedPrefix:
 
 def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple[float, ...], table,
                     vocab_shards: int = 0, prefix: TimedPrefix | None = None, horizon_pass: int = -1,
-                    solo_pass: int = -1) -> ProgramTimes:
+                    solo_pass: int = -1, pairs: Mapping[int, tuple[int, float]] | None = None) -> ProgramTimes:
     """:func:`run_programs` on programs of pass ids, its input table given; from ``prefix`` when given
     (the passes in it are not timed again; the lists are copied). With ``horizon_pass`` (a pass id) the run
     stops early: once that pass is timed, a device stops when it is free later than the pass's end plus the
     longest pass and message (every pass starting by then is timed, the rest are left UNSET and the
     device's cursor short: a caller that looks only that far ahead pays for no more). ``solo_pass``: a
     collective pass (an H) that runs alone on its device, as soon as its device and inputs allow, without
-    waiting for the other shards (a relaxation: nothing ends later than with the rendezvous)."""
+    waiting for the other shards (a relaxation: nothing ends later than with the rendezvous).
+    ``pairs``: F pass id -> (B pass id, time) of overlapped pairs, the B right after its F in the program: the
+    pair starts when the device is free and both passes' inputs are there, and both end together (the F's
+    output and the B's gradient leave when the pair ends)."""
     m, per_kind = ids.num_microbatches, ids.per_kind
     kinds = 5 if vocab_shards else 3
     if prefix is None:
@@ -166,6 +173,21 @@ def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple
                 e += second_delay[k]
                 if e > ready:
                     ready = e
+            if pairs and x in pairs:
+                y, pair_time = pairs[x]
+                missing, ready = _pair_ready(y, ready, end, table)
+                if missing >= 0:
+                    waiters.setdefault(missing, []).append(device)
+                    break
+                start[x] = start[y] = ready
+                now = end[x] = end[y] = ready + pair_time
+                if waiters:
+                    for z in (x, y):
+                        woken = waiters.pop(z, None)
+                        if woken:
+                            queue.extend(woken)
+                c += 2
+                continue
             if x >= first_collective and x < end_collective and x != solo_pass:
                 arrivals = arrived.setdefault(x % m, [])
                 if any(entry[0] == device for entry in arrivals):
@@ -196,6 +218,22 @@ def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple
             c += 1
         cursor[device], free[device] = c, now
     return ProgramTimes(ids, id_programs, start, end, cursor, durations)
+
+
+def _pair_ready(y: int, ready: float, end: list[float], table) -> tuple[int, float]:
+    """(-1, when the pair's F (ready at ``ready``) and B ``y`` can both start), or (a missing input of y, _)."""
+    m, first, first_delay, second, second_delay = table
+    k = y // m
+    for offsets, delays in ((first, first_delay), (second, second_delay)):
+        offset = offsets[k]
+        if offset:
+            e = end[y - offset]
+            if e < 0:
+                return y - offset, ready
+            e += delays[k]
+            if e > ready:
+                ready = e
+    return -1, ready
 
 
 def stage_durations(per_stage, vocab: tuple[float, float] | None = None, vocab_shards: int = 0) -> tuple[float, ...]:

@@ -23,7 +23,7 @@ from ..core.gc_pause import without_gc
 from ..core.inputs import EPS
 from ..core.schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError, one_f_one_b_peak
 from ..core.simulator import simulate
-from . import adaptive, baselines, v_schedules, zero_bubble
+from . import adaptive, baselines, pairing, v_schedules, zero_bubble
 from .vocab_passes import with_vocab_passes
 
 # The order built for uniform stages replaces the stage-built one only when shorter by more than this share
@@ -129,6 +129,9 @@ class ScheduleSpec:
         schedule = self.generate(request)
         if self.order_from_costs and not costs.uniform:
             schedule = self._not_slower_than_uniform(schedule, request)
+        if costs.a2a > 0 and costs.vocab is None:  # issue 43: F&B pairs hide the all-to-all (pairing.py)
+            limit = request.memory_limit if self.takes_memory_limit else None
+            schedule = pairing.paired(schedule, request.costs, request.memory, limit or self.memory_factor)
         if costs.vocab is not None:
             schedule = with_vocab_passes(schedule, costs, self.vocab_g_in_gaps)
         return schedule

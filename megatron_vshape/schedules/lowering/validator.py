@@ -8,7 +8,7 @@ from collections import Counter
 from ..core.actions import Kind, VocabKind
 from ..core.dependencies import all_actions, dependencies
 from ..core.gc_pause import without_gc
-from ..core.schedule import Schedule, ScheduleError
+from ..core.schedule import Costs, Schedule, ScheduleError, VocabWork
 from .messages import check_plan, lower
 
 
@@ -22,6 +22,7 @@ def validate(schedule: Schedule) -> None:
     _check_complete(schedule)
     _check_local_order(schedule)
     _check_collective_order(schedule)
+    check_pairs(schedule)
     check_plan(lower(schedule))
 
 
@@ -53,6 +54,53 @@ def _check_local_order(schedule: Schedule) -> None:
                     raise InvalidSchedule(
                         f"{schedule.name}: device {device} runs {action} before its dependency {dep}"
                     )
+
+
+def check_pairs(schedule: Schedule) -> None:
+    """Each overlapped pair is an F and a B of one device, adjacent in its program, forward first (so the
+    serial order is legal and the ledger counts the F's allocation before the B's release), each action in
+    one pair at most, neither half needing the other's result (they run together), and the programs with
+    the pairs as units do not deadlock (a pair waits for both halves' inputs before either starts)."""
+    if not schedule.pairs:
+        return
+    position = {a: (device, i) for device, program in enumerate(schedule.programs) for i, a in enumerate(program)}
+    used: Counter = Counter(a for pair in schedule.pairs for a in pair)
+    twice = sorted(str(a) for a, n in used.items() if n > 1)
+    if twice:
+        raise InvalidSchedule(f"{schedule.name}: actions in more than one pair: {twice[:5]}")
+    for pair in sorted(schedule.pairs, key=str):
+        if pair.forward.kind is not Kind.F or pair.backward.kind is not Kind.B:
+            raise InvalidSchedule(f"{schedule.name}: pair {pair} is not an F and a B")
+        where, after = position.get(pair.forward), position.get(pair.backward)
+        if where is None or after is None:
+            raise InvalidSchedule(f"{schedule.name}: pair {pair} names an action the programs do not run")
+        if after != (where[0], where[1] + 1):
+            raise InvalidSchedule(f"{schedule.name}: pair {pair} is not its F then its B, adjacent on one device")
+        for first, second in ((pair.forward, pair.backward), (pair.backward, pair.forward)):
+            if _needs(second, first, schedule):
+                raise InvalidSchedule(f"{schedule.name}: pair {pair} cannot overlap: {second} needs {first}'s result")
+    # Deferred import: the simulator's timing core is the one place that runs programs with pairs as units.
+    from ..core.simulator import DeadlockError, simulate
+
+    try:
+        simulate(schedule, Costs(vocab=VocabWork() if schedule.vocab_parallel else None))
+    except DeadlockError as err:
+        raise InvalidSchedule(f"{schedule.name}: the pairs deadlock the programs ({err})") from None
+
+
+def _needs(action, ancestor, schedule: Schedule) -> bool:
+    """Whether ``action`` consumes ``ancestor``'s result, directly or through other passes."""
+    if action.microbatch != ancestor.microbatch:
+        return False  # dependencies never cross microbatches
+    seen, stack = set(), [action]
+    while stack:
+        for dep in dependencies(stack.pop(), schedule.num_stages, schedule.vocab_shards):
+            if dep == ancestor:
+                return True
+            if dep not in seen:
+                seen.add(dep)
+                stack.append(dep)
+    return False
 
 
 def _check_collective_order(schedule: Schedule) -> None:
