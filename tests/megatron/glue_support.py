@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_vshape.testing.launch_server import LaunchServers, LaunchTimeout
 from megatron_vshape.testing.spawn import PORT_CLASH, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,21 +130,32 @@ class Ranks:
         return "".join(self.outputs)
 
 
+# The launch servers of this test process (one per interpreter, script directory and environment).
+LAUNCH_SERVERS = LaunchServers()
+
+
 def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: float, cwd: Path,
                stop_on_failure: bool, preload: bool = True, env: dict[str, str] | None = None) -> Ranks:
-    """One launch: every rank's (exit code, output), the ranks forked from one interpreter that imported
-    torch and Megatron once (:mod:`megatron_vshape.testing.fork_ranks`). On the timeout the launch's
-    process group is killed and the test fails; with ``stop_on_failure`` the first failed rank stops
-    the others. ``preload=False``: entries that import neither (the launcher's own tests)."""
+    """One launch: every rank's (exit code, output), the ranks forked from an interpreter that imported
+    torch and Megatron (:mod:`megatron_vshape.testing.fork_ranks`), kept between launches of the same
+    script in the same environment (:mod:`megatron_vshape.testing.launch_server`). On the timeout the
+    launch (ranks included) is killed and the test fails; with ``stop_on_failure`` the first failed rank
+    stops the others. ``preload=False``: entries that import neither (the launcher's own tests), run by a
+    fresh ``fork_ranks`` that imports nothing."""
+    env = env or cpu_env()
     with tempfile.TemporaryDirectory() as logs:
-        cmd = [python, "-m", "megatron_vshape.testing.fork_ranks", "--nproc", str(nproc), "--port", str(port),
-               "--logs", logs, *(["--stop-on-failure"] if stop_on_failure else []),
-               *([] if preload else ["--no-preload"]), "--", *argv]
-
         def outputs() -> tuple[str, ...]:
             return tuple(_read(Path(logs) / f"rank{rank}.log") for rank in range(nproc))
 
-        result = run_group(cmd, timeout, env=env or cpu_env(), cwd=cwd, output_on_timeout=lambda: "".join(outputs()))
+        if preload:
+            try:
+                codes = LAUNCH_SERVERS.launch(python, nproc, port, logs, stop_on_failure, argv, cwd, env, timeout)
+            except LaunchTimeout as err:
+                pytest.fail(f"{err}: {' '.join(argv)}\n{''.join(outputs())[-4000:]}")
+            return Ranks(tuple(codes), outputs())
+        cmd = [python, "-m", "megatron_vshape.testing.fork_ranks", "--nproc", str(nproc), "--port", str(port),
+               "--logs", logs, *(["--stop-on-failure"] if stop_on_failure else []), "--no-preload", "--", *argv]
+        result = run_group(cmd, timeout, env=env, cwd=cwd, output_on_timeout=lambda: "".join(outputs()))
         ranks_output = outputs()
     try:
         codes = json.loads(result.stdout.strip().splitlines()[-1])["codes"]

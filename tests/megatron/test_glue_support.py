@@ -2,6 +2,7 @@
 started directly get torchrun's environment, and a failing or hung launch ends like under torchrun."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -163,3 +164,57 @@ def test_forked_ranks_preload_the_megatron_of_the_scripts_checkout(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == {"core": str(tmp_path / "megatron" / "core" / "__init__.py"),
                                                           "version": "checkout"}
+
+
+SERVED_PROBE = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"pid{rank}"), "w") as out:
+    out.write(str(os.getpid()))
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} port {os.environ['MASTER_PORT']} torch preloaded "
+      f"{'torch' in sys.modules} cwd {os.getcwd()} marker {os.environ.get('VSHAPE_PROBE_MARKER')}", flush=True)
+if sys.argv[1] == "fail" and rank == 1:
+    sys.exit(7)
+if sys.argv[1] in ("hang", "fail"):
+    time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_launches_of_one_script_share_one_launch_server_that_runs_each_like_fork_ranks(tmp_path):
+    """Preloaded launches of one script in one environment reuse one server (torch imported once, before
+    the rank runs); each launch still gets torchrun's environment, its own port and output; the first
+    failing rank stops the others; a hung launch fails the test at its timeout with every rank killed, and
+    the server serves the next launch; another environment gets its own server."""
+    script = tmp_path / "served.py"
+    script.write_text(SERVED_PROBE)
+    servers = glue_support.LAUNCH_SERVERS
+    first = glue_support.launch_ranks(sys.executable, 2, [str(script)], ["ok"], timeout=120)
+    assert first.returncode == 0, first.stdout[-3000:]
+    port = first.stdout.split()[5]
+    assert first.stdout.splitlines() == [
+        f"rank {r} of 2 port {port} torch preloaded True cwd {glue_support.ROOT} marker None" for r in range(2)]
+    server = next(iter(servers._servers.values()))
+    failed = glue_support.launch_ranks(sys.executable, 2, [str(script)], ["fail"], timeout=120)
+    assert failed.returncode == 7 and "rank 0 of 2" in failed.stdout and not _alive(int((tmp_path / "pid0").read_text()))
+    with pytest.raises(pytest.fail.Exception, match="timed out after 3s"):
+        glue_support.launch_ranks(sys.executable, 2, [str(script)], ["hang"], timeout=3)
+    hung = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in hung) and time.monotonic() < deadline:  # killed, then reaped by init
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in hung)
+    again = glue_support.launch_ranks(sys.executable, 1, [str(script)], ["ok"], timeout=120)
+    assert again.returncode == 0 and next(iter(servers._servers.values())) is server and server.alive()
+    marked = glue_support.launch_ranks(sys.executable, 1, [str(script)], ["ok"], timeout=120,
+                                       env=glue_support.cpu_env(VSHAPE_PROBE_MARKER="other"))
+    assert marked.returncode == 0 and marked.stdout.rstrip().endswith("marker other")
+    assert len({id(s) for s in servers._servers.values()}) == 2 and server.alive()
