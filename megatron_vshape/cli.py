@@ -121,7 +121,8 @@ def _report(result, args) -> None:
     print(f"microbatches  {schedule.num_microbatches}")
     if "candidate" in schedule.meta:  # v-auto: which building block / greedy cap it chose
         print(f"chosen        {schedule.meta['candidate']}")
-    print(f"costs         f={costs.f:g} b={costs.b:g} w={costs.w:g} comm={costs.comm:g}")
+    a2a = f" a2a={costs.a2a:g}" if costs.a2a else ""
+    print(f"costs         f={costs.f:g} b={costs.b:g} w={costs.w:g} comm={costs.comm:g}{a2a}")
     if costs.stages:
         for name in ("f", "b", "w", "memory"):
             values = ",".join(f"{getattr(work, name):g}" for work in costs.stages)
@@ -134,6 +135,9 @@ def _report(result, args) -> None:
     print(f"work          per device: {' '.join(f'{w:g}' for w in result.work_each)}")
     print(f"makespan      {result.makespan:g}   (work per device {result.work_per_device:g})")
     print(f"bubble rate   {result.bubble_rate:.4f}   ({result.bubble_rate:.1%})")
+    if costs.a2a:  # the work above includes the all-to-all time no compute hides
+        exposed = " ".join(f"{e:g}" for e in result.exposed_a2a)
+        print(f"all-to-all    exposed per device: {exposed}   ({len(schedule.pairs)} overlapped F&B pairs)")
     peaks = " ".join(f"{p:g}" for p in result.peak_memory)
     print(f"peak memory   max {result.peak_memory_max:g}   per device: {peaks}")
     print("validated:    ok")
