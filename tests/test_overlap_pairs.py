@@ -172,3 +172,12 @@ def test_docs_table_is_the_scripts_output():
     assert lines[0] in page
     for line in lines[2:]:
         assert line in page, line
+
+
+def test_text_grid_shows_both_halves_of_a_pair():
+    from megatron_vshape.schedules.export.render_text import text_grid
+
+    grid = text_grid(simulate(_v(ONE_DEVICE), Costs(a2a=0.5)), quantum=0.5)
+    cells = grid.split()[1:]
+    start = cells.index("F0.1")
+    assert cells[start:start + 4] == ["F0.1", "F0.1", "B1.0", "B1.0"]  # the pair's 2 units: F's half, then B's

@@ -18,9 +18,14 @@ def text_grid(result: SimulationResult, quantum: float | None = None, width: int
         quantum = min(iv.end - iv.start for iv in timeline.values())
     columns = math.ceil(result.makespan_total / quantum - EPS)
     rows = [["." * 1] * columns for _ in range(result.schedule.num_devices)]
+    # An overlapped pair's halves share one interval: its F takes the first half of the cells, its B the rest.
+    halves = {half: i for pair in result.schedule.pairs for i, half in enumerate(pair)}
     for action, iv in timeline.items():
         first = int(round(iv.start / quantum))
         last = max(first + 1, int(round(iv.end / quantum)))
+        if action in halves:
+            middle = first + max(1, (last - first) // 2)
+            first, last = (first, middle) if halves[action] == 0 else (middle, max(middle + 1, last))
         for col in range(first, min(last, columns)):
             rows[iv.device][col] = str(action)
     lines = []
