@@ -102,6 +102,10 @@ def splits_backward(name: str | None) -> bool:
 def parse_pipeline_costs(text: str):
     """``Costs`` from ``--pipeline-costs f=..,b=..`` (``auto`` is handled by the caller)."""
     try:
-        return Costs.parse(text)
+        costs = Costs.parse(text)
     except ValueError as err:
         raise ConfigError(f"--pipeline-costs: {str(err).removeprefix('--costs: ')}") from None
+    if costs.a2a:  # a2a builds overlapped F&B pairs, which the executor would run one after the other
+        raise ConfigError("--pipeline-costs: a2a (overlapped F&B pairs hiding the MoE all-to-all) is for the "
+                          "simulator until the executor runs pairs (issue 43); drop a2a from --pipeline-costs")
+    return costs

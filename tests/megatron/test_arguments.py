@@ -123,6 +123,8 @@ BAD = {
     "microbatches-beyond-sane": (dict(global_batch_size=2 * 70000), "must be in [1, 65536]; got 70000"),
     "pipeline-costs-nan": (dict(pipeline_schedule="v-zb", pipeline_costs="f=nan"),
                            "--pipeline-costs: f: must be a finite number"),
+    "pipeline-costs-a2a": (dict(pipeline_schedule="v-zb", pipeline_costs="f=1,a2a=0.5"),
+                           "--pipeline-costs: a2a (overlapped F&B pairs"),
     "save-under-a-file": (dict(save=__file__ + "/ckpt"), "exists and is not a directory"),
     "save-unwritable": (dict(save="/sys/vshape-ckpt"), "--save /sys/vshape-ckpt: cannot write into /sys"),
 }
