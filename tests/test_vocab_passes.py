@@ -12,9 +12,24 @@ from megatron_vshape.schedules.core.inputs import InputError
 from megatron_vshape.schedules.core.schedule import Costs, Schedule, ScheduleError, VocabWork
 from megatron_vshape.schedules.core.simulator import DeadlockError, simulate
 from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
-from megatron_vshape.schedules.lowering.exchange import PIPELINE_GROUP, Communicator, OpKind
+from megatron_vshape.schedules.lowering.exchange import (
+    PAIR_GROUP,
+    PIPELINE_GROUP,
+    VOCAB_QUEUE,
+    Communicator,
+    Op,
+    OpKind,
+    Transfer,
+    warmup_program,
+)
 from megatron_vshape.schedules.lowering.messages import CommError, check_plan, lower
-from megatron_vshape.schedules.lowering.nccl_model import NcclDeadlock, check_program, run_nccl_model
+from megatron_vshape.schedules.lowering.nccl_model import (
+    NcclDeadlock,
+    NcclMismatch,
+    check_program,
+    run_nccl_model,
+    vocab_call_segment,
+)
 from megatron_vshape.schedules.lowering.program import lower_program
 from megatron_vshape.schedules.lowering.validator import InvalidSchedule, validate
 
@@ -122,15 +137,67 @@ def test_collectives_in_another_order_on_one_device_are_refused_and_hang_under_n
         validate(broken)
     with pytest.raises((CommError, DeadlockError)):
         check_plan(lower(broken))
-    # The exchange of the good schedule, with one rank's two collectives swapped, hangs under NCCL's rules.
+    # The exchange of the good schedule, with one rank's collectives of two H swapped: NCCL would pair one
+    # rank's broadcast with another's all-gather; with one collective skipped, the others wait forever.
     train = lower_program(schedule, costs)
     ops = [list(rank.exchange) for rank in train.ranks]
-    collective = [i for i, op in enumerate(ops[1]) if op.kind is OpKind.COMPUTE and op.communicator is not None]
-    i, j = collective[1], collective[2]
-    ops[1][i], ops[1][j] = ops[1][j], ops[1][i]
-    ops[1][i] = ops[1][i]._replace(communicator=None)  # rank 1 skips one collective: the others wait forever
-    with pytest.raises(NcclDeadlock):
-        run_nccl_model([[tuple(o)] for o in ops], single_queue=True)
+    collective = [i for i, op in enumerate(ops[1]) if op.kind is OpKind.COLLECTIVE]
+    swapped = [list(o) for o in ops]
+    i, j = collective[4], collective[8]  # the first collective of H1 and of H2
+    swapped[1][i], swapped[1][j] = swapped[1][j], swapped[1][i]
+    with pytest.raises(NcclMismatch):
+        run_nccl_model([[tuple(o)] for o in swapped], single_queue=False)
+    skipped = [list(o) for o in ops]
+    gone = collective[-1]  # rank 1 skips the last loss-gradient broadcast (and its wait)
+    skipped[1] = [Op(OpKind.COMPUTE) if i == gone or (op.kind is OpKind.WAIT and op.index == gone) else op
+                  for i, op in enumerate(skipped[1])]
+    for single_queue in (True, False):
+        with pytest.raises(NcclDeadlock):
+            run_nccl_model([[tuple(o)] for o in skipped], single_queue)
+
+
+def test_h_posts_its_collectives_on_the_vocabulary_queue_and_waits_only_where_needed():
+    """Per H: four collectives on the vocabulary queue in one order on every rank; the last stage's rank
+    waits for the reduce in H and nobody waits for the loss gradient before G."""
+    costs = Costs(vocab=HEAD)
+    schedule = get_schedule("v-half", 2, 4, costs)
+    train = lower_program(schedule, costs)
+    labels = [[op.label for op in rank.exchange if op.kind is OpKind.COLLECTIVE] for rank in train.ranks]
+    assert labels[0] == labels[1]
+    assert labels[0][:4] == ["H0 hidden state and labels", "H0 statistics", "H0 hidden gradient", "H0 loss gradient"]
+    assert {op.queue for rank in train.ranks for op in rank.exchange if op.kind is OpKind.COLLECTIVE} == {VOCAB_QUEUE}
+    for r, rank in enumerate(train.ranks):
+        ops = rank.exchange
+        waited = {op.index for op in ops if op.kind is OpKind.WAIT}
+        by_label = {op.label: i for i, op in enumerate(ops) if op.kind is OpKind.COLLECTIVE}
+        holder = r == 0  # the V's last stage is on device 0
+        assert (by_label["H0 hidden state and labels"] in waited) is not holder
+        assert by_label["H0 statistics"] in waited
+        g_step = next(i for i, op in enumerate(ops) if op.kind is OpKind.COMPUTE
+                      and rank.steps[op.index].action == Action(VocabKind.G, r, 0))
+        loss_wait = next(i for i, op in enumerate(ops) if op.kind is OpKind.WAIT and op.index == by_label["H0 loss gradient"])
+        assert loss_wait == g_step - (1 if holder else 2)  # right before G(0): the broadcast (and the reduce's send)
+    evaluate = lower_program(schedule, costs, forward_only_call=True)
+    assert {op.label.split(" ", 1)[1] for rank in evaluate.ranks for op in rank.exchange
+            if op.kind is OpKind.COLLECTIVE} == {"hidden state and labels", "statistics"}
+
+
+def test_a_wait_across_queues_that_closes_a_cycle_deadlocks():
+    """Rank 1 posts its collective only after waiting for a message that rank 0 sends only after waiting
+    for that collective: the model's cross-queue rule finds the cycle on separate queues too."""
+    whole = Communicator(PIPELINE_GROUP, 0, 1)
+    pair = Communicator(PAIR_GROUP, 0, 1)
+    collective = Op(OpKind.COLLECTIVE, whole, queue=VOCAB_QUEUE, label="c")
+    rank0 = (collective, Op(OpKind.WAIT, index=0), Op(OpKind.POST, pair, (Transfer(0, 1, None),)), Op(OpKind.WAIT, index=2))
+    rank1 = (Op(OpKind.POST, pair, (Transfer(0, 1, None),)), Op(OpKind.WAIT, index=0), collective, Op(OpKind.WAIT, index=2))
+    def connected(r, ops):  # both communicators created first, in one order (no lazy-creation hang)
+        return [warmup_program(r, 2), vocab_call_segment(2), ops]
+
+    for single_queue in (True, False):
+        with pytest.raises(NcclDeadlock):
+            run_nccl_model([connected(0, rank0), connected(1, rank1)], single_queue)
+    fine = (Op(OpKind.POST, pair, (Transfer(0, 1, None),)), collective, Op(OpKind.WAIT, index=1), Op(OpKind.WAIT, index=0))
+    run_nccl_model([connected(0, rank0), connected(1, fine)], single_queue=False)
 
 
 def test_an_h_before_what_the_last_stage_needs_first_deadlocks_everywhere():
@@ -156,8 +223,10 @@ def test_lowering_puts_h_on_the_pipeline_communicator_and_keeps_it_for_evaluatio
     whole = Communicator(PIPELINE_GROUP, 0, 2)
     for t, e in zip(train.ranks, evaluate.ranks):
         steps = {i: s.action for i, s in enumerate(t.steps)}
-        collective = [steps[op.index] for op in t.exchange if op.kind is OpKind.COMPUTE and op.communicator == whole]
+        collective = [steps[op.index] for op in t.exchange if op.kind is OpKind.COMPUTE
+                      and steps[op.index].kind is VocabKind.H]
         assert collective == [s.action for s in t.steps if s.action.kind is VocabKind.H]
+        assert {op.communicator for op in t.exchange if op.kind is OpKind.COLLECTIVE} == {whole}
         assert not any(s.sends or s.recvs for s in t.steps if isinstance(s.action.kind, VocabKind))
         assert {s.action.kind for s in e.steps} == {Kind.F, VocabKind.H}
         # the shard's parameters are the first chunk's: its gradient reduction waits for the last G

@@ -307,6 +307,15 @@ class VocabShardLayers(torch.nn.Module):
                                                   grad_loss.t().reshape(s * b), self.groups)
         return grad_hidden.view(s, b, -1).to(out.hidden_dtype), WeightGradTask(self.output_weight, compute)
 
+    def pass_weight(self) -> torch.Tensor:
+        """The output layer's rows for an H pass (runtime/vocab_h.py), once Megatron's hooks have run."""
+        self._weights_ready()
+        return self.output_weight.detach()
+
+    def output_weight_grad_task(self, compute: Callable[[], torch.Tensor]) -> WeightGradTask:
+        """The W that adds ``compute()`` ([rows, hidden]) into the output layer's gradient."""
+        return WeightGradTask(self.output_weight, compute)
+
     # Checkpoints.
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:

@@ -86,6 +86,7 @@ class PlanExchange:
         self._waited: list[tuple[int, list]] = []
         self.timeline: Timeline | None = None  # set by the executor to split waits from bookkeeping
         self._blocked: tuple[int, list] | None = None  # (position, works) the host is waiting on now
+        self._collectives: set[int] = set()  # positions of COLLECTIVE ops not waited for yet
 
     def advance(self, step: int) -> None:
         """Issue every operation that comes before plan step ``step``."""
@@ -125,6 +126,14 @@ class PlanExchange:
 
     def _issue(self, op: Op) -> None:
         position, self._next = self._next, self._next + 1
+        # A collective and its waits are the program's record of what the pass issues on its own queue
+        # (runtime/vocab_h.py, in this order): the NCCL model reads them; nothing to do here.
+        if op.kind is OpKind.COLLECTIVE:
+            self._collectives.add(position)
+            return
+        if op.kind is OpKind.WAIT and op.index in self._collectives:
+            self._collectives.discard(op.index)
+            return
         if op.kind is OpKind.WAIT:
             works, buffers, _sent = self._posted.pop(op.index)  # the sent tensors may go now
             self._waited = [(pos, ws) for pos, ws in self._waited if not _all_completed(ws)]

@@ -38,7 +38,9 @@ import torch.distributed as dist
 
 from megatron_vshape.schedules.core.schedule import Placement
 
+from .comm_queue import CommQueue
 from .placement import _unwrap
+from .vocab_h import HPass
 
 LAYERS_NAME = "vocab_parallel"  # the submodule of a rank's first chunk that holds its vocabulary shard
 
@@ -85,12 +87,15 @@ class VocabPasses:
     embedding_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # first stage: after B(k)
     labels: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: what F(k) was called with
     loss_funcs: dict[int, Callable] = field(default_factory=dict)  # last stage: the script's loss of F(k)
-    weight_tasks: dict[int, Callable] = field(default_factory=dict)  # G(k)'s task
-    # What the passes hold, for the [vshape] line: bytes kept from H(k) to G(k) (the logits' gradient
-    # shard and the hidden state), their peak over the call, and the first stage's embeddings.
-    held: dict[int, int] = field(default_factory=dict)
+    # What the passes hold, for the [vshape] line: the peak of the bytes kept from H(k) to G(k) (the
+    # softmax shard, the hidden state, the loss gradient, a reduce's send), and the first stage's embeddings.
     peak_held_bytes: int = 0
     embedding_bytes: int = 0
+    h_pass: HPass = field(init=False)
+
+    def __post_init__(self):
+        queue = CommQueue("vocabulary", self.layers.embedding_weight.device)
+        self.h_pass = HPass(self.layers, queue, self.rank, self.last_rank, self.dtype)
 
     @property
     def first_rank(self) -> int:
@@ -202,44 +207,26 @@ class VocabPasses:
     # --- the passes --------------------------------------------------------------------------------
 
     def run_h(self, microbatch: int, hidden: torch.Tensor | None, loss: Callable | None) -> torch.Tensor | None:
-        """H(k). ``hidden``: the last stage's output on its rank (None elsewhere); ``loss(per_token_loss,
-        loss_func)`` runs the script's loss function and, when training, returns d(objective)/d(loss).
-        Returns the hidden state's gradient on the last stage's rank (None elsewhere or when evaluating)."""
-        b, s = self.micro_batch_size, self.seq_length
+        """H(k) (runtime/vocab_h.py). ``hidden``: the last stage's output on its rank (None elsewhere);
+        ``loss(per_token_loss, loss_func)`` runs the script's loss function and, when training, returns
+        d(objective)/d(loss). Returns the hidden state's gradient on the last stage's rank (None elsewhere or
+        when evaluating)."""
         holder = self.rank == self.last_rank
-        if holder:
-            # Megatron's Float16Module hands a last stage's output back in fp32 under --bf16: every rank
-            # receives the pipeline dtype, and the gradient goes back in the output's own dtype.
-            hidden_in = hidden.detach().to(self.dtype).contiguous()
-            labels = self.labels.pop(microbatch).to(torch.long).contiguous()
-        else:
-            hidden_in = torch.empty((s, b, self.layers.hidden_size), dtype=self.dtype, device=self._device())
-            labels = torch.empty((b, s), dtype=torch.long, device=self._device())
-        self._broadcast(hidden_in, self.last_rank)
-        self._broadcast(labels, self.last_rank)
-        out = self.layers.output_forward(hidden_in, labels)
-        grad_loss = None
-        if holder:
-            grad_loss = loss(out.loss, self.loss_funcs.pop(microbatch))
-        if self.forward_only:
-            return None
-        if not holder:
-            grad_loss = torch.empty((b, s), dtype=torch.float32, device=self._device())
-        grad_loss = self._broadcast(grad_loss.to(torch.float32).contiguous(), self.last_rank)
-        grad_hidden, task = self.layers.output_backward(out, grad_loss)
-        self.weight_tasks[microbatch] = task
-        rows, tokens = out.state.probs.shape[1], out.state.probs.shape[0]
-        self.held[microbatch] = rows * tokens * self.layers.output_weight.element_size() + hidden_in.nbytes
-        self.peak_held_bytes = max(self.peak_held_bytes, sum(self.held.values()))
-        return grad_hidden.to(hidden.dtype) if holder else None
+        labels = self.labels.pop(microbatch) if holder else None
+        loss_func = self.loss_funcs.pop(microbatch) if holder else None
+        shape = (self.seq_length, self.micro_batch_size, self.layers.hidden_size)
+        grad = self.h_pass.run(microbatch, shape, hidden, labels,
+                               (lambda per_token: loss(per_token, loss_func)) if holder else None,
+                               not self.forward_only)
+        self.peak_held_bytes = max(self.peak_held_bytes, self.h_pass.held_bytes())
+        return grad
 
     def run_g(self, microbatch: int) -> None:
         if not self.forward_only:
-            self.weight_tasks.pop(microbatch)()
-            self.held.pop(microbatch, None)
+            self.h_pass.weight_grad(microbatch)
 
     def check_drained(self) -> None:
-        left = {name: sorted(d) for name, d in (("weight gradients", self.weight_tasks), ("labels", self.labels),
+        left = {name: sorted(d) for name, d in (("weight gradients", self.h_pass.held), ("labels", self.labels),
                                                  ("embeddings", self.embeddings), ("loss functions", self.loss_funcs))
                 if d}
         if left:

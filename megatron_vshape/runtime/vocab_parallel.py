@@ -6,17 +6,22 @@ over the p pipeline ranks: pipeline rank s holds the s-th contiguous part of its
 the output layer and the cross-entropy then run on every pipeline rank, each on its rows, instead of all
 on the first and last stage (on a V placement both sit on device 0).
 
-The output layer and loss are two passes per microbatch on every pipeline rank, with one collective
-each, so that a schedule can place them like any other pass:
+The output layer and the loss are the H pass of every microbatch on every pipeline rank (the executor's
+protocol, with its collectives, is runtime/vocab_h.py). The arithmetic, in the order H runs it:
 
-* **S** (:func:`output_forward`): this rank's logits for the final hidden state (which the last stage
-  sends to every pipeline rank) and, per token, three numbers: the local maximum, the sum of
-  ``exp(logit - local max)`` and the target's logit where this rank holds the target. One all-gather of
-  those numbers over the vocabulary's ranks gives every rank the loss (the softmax statistics combine as
-  ``M = max_s m_s``, ``Z = sum_s z_s exp(m_s - M)``, ``loss = log Z + M - target logit``).
-* **T** (:func:`output_backward`): the softmax gradient of this rank's logits, its part of the hidden
-  state's gradient (summed over the vocabulary's ranks: one all-reduce, for the last stage's B) and the
-  weight gradient, returned as a task so that it is a W pass like any other (deferrable).
+* :func:`local_output`: this rank's logits for the final hidden state and, per token, three numbers: the
+  local maximum, the sum of ``exp(logit - local max)`` and the target's logit where this rank holds the
+  target. One all-gather of those numbers over the vocabulary's ranks gives every rank the loss
+  (:func:`combine_statistics`: ``M = max_s m_s``, ``Z = sum_s z_s exp(m_s - M)``,
+  ``loss = log Z + M - target logit``) and its softmax.
+* :func:`unit_grad_parts` (while the all-gather runs) and :func:`unit_hidden_grad`: this rank's part of the
+  hidden state's gradient *per unit loss gradient*. The loss gradient g (a number per token, from the
+  script's loss function on the last stage) factors out of the sum over the shards, so the parts go into
+  one reduce onto the last stage right after the statistics, without waiting for the loss function.
+* :func:`logits_grad`: the gradient of this rank's logits once g is known; the weight gradient (G, a W).
+
+:func:`output_forward` and :func:`output_backward` run the same arithmetic with blocking collectives (the
+S/T form of the authors' Algorithm 1, for the tests and the benchmark's calibration).
 
 The input embedding is one lookup of this rank's rows (zero elsewhere) summed over the vocabulary's ranks
 for the first stage (:func:`embedding_forward`), and a weight gradient from the embedding output's
@@ -65,14 +70,15 @@ class OutputState:
     """What S keeps for T: this rank's logits (then softmax) and the loss statistics."""
 
     hidden: torch.Tensor  # [tokens, hidden], the final hidden state S was given
-    probs: torch.Tensor  # [tokens, rows]: exp(logit - M) / Z once S is done
+    probs: torch.Tensor  # [tokens, rows] fp32: exp(logit - local max), then exp(logit - M) / Z once combined
     target_local: torch.Tensor  # [tokens] index of the target in this shard's rows, or -1
-    loss: torch.Tensor  # [tokens], fp32
+    loss: torch.Tensor | None = None  # [tokens], fp32, once the statistics are combined
+    stats: torch.Tensor | None = None  # [3, tokens] fp32: this rank's max, sum of exp(logit - max), target logit
+    scale: torch.Tensor | None = None  # [tokens] fp32: exp(local max - M) / Z, once combined
 
 
-def output_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard,
-                   groups: Sequence) -> OutputState:
-    """The S pass: this rank's logits and the per-token loss, from one all-gather over ``groups``.
+def local_output(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard) -> OutputState:
+    """This rank's logits and softmax statistics, no collective (the first half of S).
 
     ``hidden``: [tokens, hidden] (the final norm's output); ``weight``: [shard.rows, hidden] (this rank's
     rows of the output layer); ``labels``: [tokens] in the full vocabulary.
@@ -86,30 +92,70 @@ def output_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     # In place, one exp over the logits (the pass is bound by its elementwise work on a large shard): the
     # buffer holds exp(logit - local max), scaled into the softmax once the statistics are in.
     exp = logits.sub_(local_max.unsqueeze(-1)).exp_()
-    local_sum = exp.sum(dim=-1)
-    stats = _all_gather(torch.stack([local_max, local_sum, target_logit]), groups)  # [ranks, 3, tokens]
-    maxima, sums, targets = stats[:, 0], stats[:, 1], stats[:, 2]
+    stats = torch.stack([local_max, exp.sum(dim=-1), target_logit])
+    return OutputState(hidden, exp, target_local, stats=stats)
+
+
+def combine_statistics(state: OutputState, gathered: torch.Tensor) -> None:
+    """The loss from every rank's statistics (``gathered``: [ranks, 3, tokens]) and this rank's softmax, in
+    place: ``M = max_s m_s``, ``Z = sum_s z_s exp(m_s - M)``, ``loss = log Z + M - target logit``."""
+    maxima, sums, targets = gathered[:, 0], gathered[:, 1], gathered[:, 2]
     global_max = maxima.max(dim=0).values
     total = (sums * (maxima - global_max).exp()).sum(dim=0)
-    loss = total.log() + global_max - targets.sum(dim=0)
-    probs = exp.mul_(((local_max - global_max).exp() / total).unsqueeze(-1))
-    return OutputState(hidden, probs, target_local, loss)
+    state.loss = total.log() + global_max - targets.sum(dim=0)
+    state.scale = (state.stats[0] - global_max).exp() / total
+    state.probs.mul_(state.scale.unsqueeze(-1))
+
+
+def unit_grad_parts(state: OutputState, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Before the statistics are combined (overlapping their all-gather): ``exp(logit - local max) @ W``
+    and the target's row of W where this rank holds it (zero elsewhere), both fp32 [tokens, hidden].
+
+    The hidden state's gradient is ``g * (sum_s scale_s * A_s - sum_s B_s)`` (g: d(objective)/d(per-token
+    loss), a number per token): with ``g`` factored out, every rank's part needs only the statistics, not the
+    loss function's gradient, so it goes into the one reduce right after the statistics' all-gather, and the
+    last stage multiplies by ``g`` itself. The product stays fp32 (see :func:`output_backward`)."""
+    exp = state.probs if state.probs.dtype == weight.dtype else state.probs.to(weight.dtype)
+    held = (state.target_local >= 0).unsqueeze(-1)
+    target_rows = weight.index_select(0, state.target_local.clamp(min=0)).float() * held
+    return matmul_fp32_out(exp, weight), target_rows
+
+
+def unit_hidden_grad(state: OutputState, parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """This rank's part of the hidden state's gradient per unit loss gradient, fp32 [tokens, hidden]:
+    ``scale * A - B`` (in place in ``A``), once the statistics are combined."""
+    exp_w, target_rows = parts
+    return exp_w.mul_(state.scale.unsqueeze(-1)).sub_(target_rows)
+
+
+def logits_grad(state: OutputState, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of this rank's logits, ``(softmax - one-hot(target)) * grad_loss``, in place in the
+    softmax, cast to ``dtype``. The one-hot goes in by ``scatter_add_`` (a row without the target adds 0 at
+    column 0): no ``nonzero``, so no host sync."""
+    held = (state.target_local >= 0).to(state.probs.dtype).unsqueeze(-1)
+    grad = state.probs.scatter_add_(1, state.target_local.clamp(min=0).unsqueeze(-1), -held)
+    return grad.mul_(grad_loss.unsqueeze(-1)).to(dtype)
+
+
+def output_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard,
+                   groups: Sequence) -> OutputState:
+    """S at once: :func:`local_output`, the statistics' all-gather over ``groups``, :func:`combine_statistics`.
+    Every rank gets the same loss. (The executor's H runs the steps itself, with the collectives on its
+    queue: runtime/vocab_h.py.)"""
+    state = local_output(hidden, weight, labels, shard)
+    combine_statistics(state, _all_gather(state.stats, groups))
+    return state
 
 
 def output_backward(state: OutputState, weight: torch.Tensor, grad_loss: torch.Tensor,
                     groups: Sequence) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """The T pass: the hidden state's gradient (summed over ``groups``: one all-reduce) and the task that
+    """T at once: the hidden state's gradient (summed over ``groups``: one all-reduce) and the task that
     computes this rank's output-layer weight gradient (the W of the vocabulary layers).
 
     ``grad_loss``: [tokens], d(objective)/d(per-token loss) (the loss mask and the scaling of the loss
     function, as Megatron's loss function applies them).
     """
-    grad_logits = state.probs
-    held = state.target_local >= 0
-    rows = torch.nonzero(held).squeeze(-1)
-    grad_logits[rows, state.target_local[rows]] -= 1.0
-    grad_logits.mul_(grad_loss.unsqueeze(-1))
-    grad_logits = grad_logits.to(weight.dtype)
+    grad_logits = logits_grad(state, grad_loss, weight.dtype)
     # In fp32 until the sum over the shards is complete: an unsharded output layer's GEMM accumulates over
     # the whole vocabulary in fp32 and rounds once, so each shard's part stays fp32 through the all-reduce
     # (the caller casts the sum once). Rounding every part to bf16 and summing in bf16 drifted from Megatron.

@@ -42,11 +42,15 @@ lowering's contract), the sending side with its n-th send; they agree on every c
 the NCCL model reports any slot where they do not (a swapped activation and gradient).
 
 **Collective passes** (vocabulary parallelism's H): their collectives run on the whole pipeline group's
-communicator (``Communicator(PIPELINE_GROUP, 0, d - 1)``), inside the step, so the step's COMPUTE op
-names that communicator. In the timed run an H starts on every rank at once, when the last rank
-reaches it (a rendezvous on one in-order queue), so all ranks' H of a microbatch share one place in G;
-every rank issues them in G order, which the validator has made one order on every rank. The argument
-above holds with the rendezvous as one more kind of event that runs on all its ranks at once.
+communicator (``Communicator(PIPELINE_GROUP, 0, d - 1)``) and on a queue of their own
+(``VOCAB_QUEUE``: a CUDA stream beside the compute, runtime/comm_queue.py): each is a COLLECTIVE op,
+posted at once and waited (a WAIT) only where its result is needed (:func:`_emit_h`, the list
+runtime/vocab_h.py issues). In the timed run an H starts on every rank at once, when the last rank
+reaches it (a rendezvous), so all ranks' H of a microbatch share one place in G; every rank issues them
+in G order, which the validator has made one order on every rank. The argument above holds with the
+rendezvous as one more kind of event that runs on all its ranks at once; a collective that only some
+pass waits for (the loss gradient, waited in G) finishes once every rank has posted it, which each does
+in its H, so no wait on it can close a cycle (the NCCL model checks it for every program).
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ from .messages import CommError, DevicePlan, Message, with_arrivals
 
 PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
 PIPELINE_GROUP = "pipeline"  # the whole pipeline group (ranks lo..hi): the vocabulary passes' collectives
+# The queues a rank's work goes to besides its compute and its p2p communicators (each one in-order queue,
+# a CUDA stream of its own on GPU): a family of collectives per queue. nccl_model.py knows no name here.
+VOCAB_QUEUE = "vocabulary"
 # A send-only batch is waited for this many passes per pipeline rank after it (about a pipeline's
 # worth of passes: the receiver has posted by then; at most that many sent tensors stay alive).
 SEND_SLACK_PER_RANK = 2
@@ -99,6 +106,7 @@ class OpKind(enum.Enum):
     POST = "post"  # post one batch of transfers on a communicator (returns at once)
     WAIT = "wait"  # later work waits for an earlier POST (on NCCL: the stream waits, not the CPU)
     COMPUTE = "compute"  # run plan step ``index``
+    COLLECTIVE = "collective"  # post one collective on ``queue`` over ``communicator`` (returns at once)
 
     __hash__ = object.__hash__
 
@@ -109,9 +117,13 @@ class Op(NamedTuple):
     # (a vocabulary H: the pipeline group), None for a step without collectives.
     communicator: Communicator | None = None
     transfers: tuple[Transfer, ...] = ()
-    index: int = -1  # COMPUTE: the plan step; WAIT: the position of its POST in the program
+    index: int = -1  # COMPUTE: the plan step; WAIT: the position of its POST or COLLECTIVE in the program
+    queue: str | None = None  # COLLECTIVE: the queue it is posted on
+    label: str = ""  # COLLECTIVE: what it is (the n-th of a communicator must be the same on every member)
 
     def __str__(self) -> str:
+        if self.kind is OpKind.COLLECTIVE:
+            return f"collective {self.label} on the {self.queue} queue"
         if self.kind is OpKind.COMPUTE:
             inside = f" with collectives on {self.communicator.group}" if self.communicator is not None else ""
             return f"compute step {self.index}{inside}"
@@ -174,8 +186,16 @@ def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
             sequences[event.b].append(event)
     batches = _fuse(sequences)
     slack = SEND_SLACK_PER_RANK * len(plans)
-    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits, len(plans))
+    holder = _last_stage_rank(plans)
+    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits, len(plans), holder)
                  for rank in range(len(plans)))
+
+
+def _last_stage_rank(plans) -> int:
+    """The rank holding the last stage (the root of H's broadcasts and its reduce's destination)."""
+    stages = [(step.action.stage, rank) for rank, plan in enumerate(plans) for step in plan.steps
+              if not isinstance(step.action.kind, VocabKind)]
+    return max(stages)[1] if stages else 0
 
 
 def _send_orders(plans) -> dict[tuple[int, int], list[Message]]:
@@ -291,7 +311,7 @@ def _fuse(sequences) -> dict[_Event, int]:
 
 
 def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_waits: bool = False,
-          num_ranks: int = 1) -> tuple[Op, ...]:
+          num_ranks: int = 1, holder: int = 0) -> tuple[Op, ...]:
     """This rank's operations: each batch POSTed at its place in G; its WAIT as late as allowed.
 
     A batch that receives is waited for right before the first pass that consumes one of its
@@ -308,6 +328,8 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
     receiving: dict[Message, int] = {}  # received message -> its POST position
     sending: list[tuple[int, int]] = []  # send-only POSTs not waited for: (passes issued before it, position)
     passes = 0
+    training = any(step.action.kind is VocabKind.G for step in plan.steps)
+    waited_in_g: dict[int, tuple[int, ...]] = {}  # microbatch -> H's collectives its G waits for
 
     def close():
         if current:
@@ -335,9 +357,14 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
                 wait(position)
             while sending and passes - sending[0][0] >= slack:
                 wait(sending.pop(0)[1])
-            collective = plan.steps[event.b].action.kind is VocabKind.H
-            ops.append(Op(OpKind.COMPUTE, Communicator(PIPELINE_GROUP, 0, num_ranks - 1) if collective else None,
-                          index=event.b))
+            action = plan.steps[event.b].action
+            if action.kind is VocabKind.H:
+                waited_in_g[action.microbatch] = _emit_h(ops, event.b, action.microbatch, rank == holder, training,
+                                                         num_ranks)
+            else:
+                for position in waited_in_g.pop(action.microbatch, ()) if action.kind is VocabKind.G else ():
+                    ops.append(Op(OpKind.WAIT, index=position))
+                ops.append(Op(OpKind.COMPUTE, index=event.b))
             passes += 1
             continue
         src, dst, n = event.a, event.b, event.n
@@ -350,3 +377,29 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
     for position in list(unwaited):
         wait(position)
     return tuple(ops)
+
+
+def _emit_h(ops: list[Op], step: int, microbatch: int, holder: bool, training: bool, num_ranks: int) -> tuple[int, ...]:
+    """H(k)'s operations on one rank, as runtime/vocab_h.py issues them: the packed hidden state and labels
+    (waited at once, but not by the last stage's rank, which sends them), the compute, the statistics'
+    all-gather (waited at once: the rendezvous), and when training the hidden gradient's reduce (waited by
+    the last stage's rank before its B) and the loss gradient's broadcast. Returns the positions G(k) waits
+    for: the broadcast, and on the other ranks their reduce's send."""
+    whole = Communicator(PIPELINE_GROUP, 0, num_ranks - 1)
+
+    def post(what: str) -> int:
+        ops.append(Op(OpKind.COLLECTIVE, whole, queue=VOCAB_QUEUE, label=f"H{microbatch} {what}"))
+        return len(ops) - 1
+
+    arrived = post("hidden state and labels")
+    if not holder:
+        ops.append(Op(OpKind.WAIT, index=arrived))
+    ops.append(Op(OpKind.COMPUTE, index=step))
+    ops.append(Op(OpKind.WAIT, index=post("statistics")))
+    if not training:
+        return ()
+    reduced, sent = post("hidden gradient"), post("loss gradient")
+    if holder:
+        ops.append(Op(OpKind.WAIT, index=reduced))
+        return (sent,)
+    return (sent, reduced)

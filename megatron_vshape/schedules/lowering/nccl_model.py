@@ -18,10 +18,19 @@ on its own threads. This model runs the per-rank operation lists of the lowering
   a part completes only while both kernels are running (a send completes only when the peer's
   receive runs; a receive blocks its queue until matched). A kernel finishes when all its parts
   have. Compute kernels just run.
-* **Collectives.** A COMPUTE op that names a communicator (a vocabulary H: the whole pipeline
-  group's) runs collectives inside its step: it is one kernel on the compute queue that finishes only
-  once the n-th such kernel of EVERY member of that communicator is running (NCCL pairs the n-th
-  collective of each rank); the first one creates the communicator lazily, as a POST does.
+* **Collectives.** A COLLECTIVE op (vocabulary parallelism's H: on the whole pipeline group) is one
+  kernel on the queue the op names (a stream of its own; with ``single_queue`` the one hardware queue):
+  it depends on everything issued to compute before it (the stream waits for an event recorded on the
+  compute stream) and finishes only once the n-th collective of EVERY member of its communicator is
+  running (NCCL pairs the n-th collective of each rank); the first one creates the communicator lazily,
+  as a POST does. A WAIT on it puts a marker on the compute queue, as for a POST.
+* **The queues' rules.** Each communicator's collectives come from one queue on every rank, and the
+  n-th collective of a communicator is the same one (its label) on every member (else NCCL pairs, say,
+  one rank's loss-gradient broadcast with another's reduce: :class:`NcclMismatch`). That a wait across
+  queues (compute waiting for a collective, a collective waiting for compute) closes no cycle is what
+  running the model shows: a cycle leaves the ranks stopped (:class:`NcclDeadlock`). A COMPUTE op that
+  names a communicator (collectives inside the step, on the compute queue: the form before the
+  collectives had a queue) is still understood.
 
 The host never waits for the GPU otherwise. :func:`run_nccl_model` raises :class:`NcclDeadlock`
 when the ranks stop with work left, and :class:`NcclMismatch` when NCCL would pair a receive with
@@ -36,7 +45,7 @@ from dataclasses import dataclass, field
 
 from ..core.actions import VocabKind
 from ..core.schedule import Costs
-from .exchange import PIPELINE_GROUP, Communicator, Op, OpKind, Transfer, warmup_program
+from .exchange import PIPELINE_GROUP, VOCAB_QUEUE, Communicator, Op, OpKind, Transfer, warmup_program
 from .messages import CommError, DevicePlan
 from .program import Program, exchange, forward_only, from_plans
 
@@ -103,6 +112,7 @@ class _Model:
         # communicator -> rank -> its collective kernels in issue order; a kernel's index among them
         self.collectives: dict[Communicator, dict[int, list[_Kernel]]] = defaultdict(lambda: defaultdict(list))
         self.collective_position: dict[int, int] = {}
+        self.queue_of: dict[tuple[int, Communicator], object] = {}  # (rank, communicator) -> the queue it uses
 
     # --- host -------------------------------------------------------------------------------
 
@@ -135,12 +145,18 @@ class _Model:
 
     def issue_op(self, r: int, op: Op) -> None:
         rank = self.ranks[r]
-        if op.kind is OpKind.COMPUTE and op.communicator is not None:
+        if op.kind is OpKind.COLLECTIVE or (op.kind is OpKind.COMPUTE and op.communicator is not None):
+            queue = op.queue if op.kind is OpKind.COLLECTIVE else COMPUTE_QUEUE
+            if self.queue_of.setdefault((r, op.communicator), queue) != queue:
+                raise CommError(f"rank {r} issues collectives on {op.communicator} from two queues "
+                                f"({self.queue_of[(r, op.communicator)]} and {queue}): NCCL keeps no order between them")
             kernel = _Kernel(r, op, self.tail_deps(rank), unmatched=1)  # the rendezvous of every member
             mine = self.collectives[op.communicator][r]
             mine.append(kernel)
             self.collective_position[id(kernel)] = len(mine) - 1
-            self.enqueue(r, COMPUTE_QUEUE, kernel)
+            if op.kind is OpKind.COLLECTIVE:
+                rank.posts[rank.cursor] = kernel
+            self.enqueue(r, queue, kernel)
         elif op.kind is OpKind.COMPUTE:
             self.enqueue(r, COMPUTE_QUEUE, _Kernel(r, op, self.tail_deps(rank)))
         elif op.kind is OpKind.WAIT:
@@ -188,9 +204,13 @@ class _Model:
         return progressed
 
     def match(self, kernel: _Kernel) -> None:
-        if kernel.op.kind is OpKind.COMPUTE and kernel.op.communicator is not None:  # every member's n-th must be running
-            comm, n = kernel.op.communicator, self.collective_position[id(kernel)]
+        if kernel.op.kind is OpKind.COLLECTIVE or (kernel.op.kind is OpKind.COMPUTE and kernel.op.communicator is not None):
+            comm, n = kernel.op.communicator, self.collective_position[id(kernel)]  # every member's n-th must run
             peers = [self.collectives[comm][member] for member in sorted(comm.members)]
+            for kernels in peers:
+                if n < len(kernels) and kernels[n].op.label != kernel.op.label:
+                    raise NcclMismatch(f"on {comm}, rank {kernel.rank}'s collective {n} is {kernel.op.label or 'unnamed'} "
+                                       f"and rank {kernels[n].rank}'s is {kernels[n].op.label or 'unnamed'}")
             if all(n < len(kernels) and kernels[n].running for kernels in peers):
                 for kernels in peers:
                     kernels[n].unmatched = 0
@@ -250,11 +270,12 @@ def check_program(train: Program, evaluate: Program, single_queue: Sequence[bool
 
 def vocab_call_segment(num_ranks: int) -> tuple[Op, ...]:
     """The collectives the runtime issues around one call's exchange program with vocabulary passes, as one
-    collective step on the pipeline group's communicator: the prologue's (tokens to every rank, the
+    collective on the vocabulary queue, waited at once: the prologue's (tokens to every rank, the
     embeddings to the first stage; runtime/vocab_iteration.py) before the program, and in a training call
     the epilogue's (the embeddings' gradients) after it. A segment of its own (a WAIT names a POST by its
     position within a segment)."""
-    return (Op(OpKind.COMPUTE, Communicator(PIPELINE_GROUP, 0, num_ranks - 1), index=-1),)
+    whole = Communicator(PIPELINE_GROUP, 0, num_ranks - 1)
+    return (Op(OpKind.COLLECTIVE, whole, queue=VOCAB_QUEUE, label="call"), Op(OpKind.WAIT, index=0))
 
 
 def check_exchange(plans: Sequence[DevicePlan], single_queue: Sequence[bool] = (True, False),

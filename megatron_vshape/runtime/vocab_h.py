@@ -1,0 +1,156 @@
+"""The H pass of one microbatch on one pipeline rank, and what its G needs: one rendezvous per microbatch.
+
+Every pipeline rank of a replica runs H(k) (the schedule places it; runtime/vocab_iteration.py calls it).
+Its collectives go on the rank's vocabulary :class:`~.comm_queue.CommQueue`, in this order on every rank
+(``schedules/lowering/exchange.py`` lowers the same list and ``nccl_model.py`` checks it):
+
+1. **in**: one broadcast from the last stage's rank: the final hidden state and the labels, packed in one
+   buffer (the labels are 1/h of it, as int64 bytes). The last stage's rank does not wait for it.
+2. **stats**: the all-gather of every rank's softmax statistics (3 fp32 per token; over TP first when
+   TP > 1). Posted, then this rank computes ``exp(logits - local max) @ W`` (the GEMM of its part of the
+   hidden gradient) while it runs; waited, then the loss and the softmax (``vocab_parallel``).
+3. **reduce** (training): this rank's part of the hidden gradient per unit loss gradient (fp32), summed
+   onto the last stage's rank: a reduce, as only that rank needs it. No rank waits for the loss function
+   before it; the last stage multiplies the sum by its loss gradient itself.
+4. **g** (training): the loss gradient d(objective)/d(per-token loss) from the last stage's rank, after its
+   loss function ran. Only G(k) needs it (the weight gradient): the other ranks post it and leave H.
+
+So the ranks meet once per microbatch (steps 1 and 2: the all-gather needs every rank's logits), and
+every other collective is posted and waited only where its result is needed: the last stage's rank waits
+for the reduce before its B, every rank waits for g (and, on the others, for its reduce's send) in G(k).
+No step reads a tensor back to the host (no ``nonzero``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import vocab_parallel as vp
+from .comm_queue import CommQueue, Pending
+
+
+@dataclass
+class HeldForG:
+    """What H(k) leaves for G(k) on this rank."""
+
+    out: vp.OutputState  # this rank's softmax (fp32) and the hidden state
+    grad_loss: torch.Tensor  # [tokens] fp32, arriving (``pending``)
+    pending: tuple[Pending, ...]  # g's broadcast, and on the other ranks their reduce's send
+    nbytes: int  # what this holds, for the [vshape] line's peak
+
+
+class HPass:
+    """H and G of one call on one rank (see the module docstring). ``layers``: the rank's
+    ``VocabShardLayers``; ``dtype``: the pipeline dtype the hidden state travels in."""
+
+    def __init__(self, layers, queue: CommQueue, rank: int, last_rank: int, dtype: torch.dtype):
+        self.layers, self.queue, self.rank, self.last_rank, self.dtype = layers, queue, rank, last_rank, dtype
+        self.held: dict[int, HeldForG] = {}
+        self.wait_seconds = 0.0  # the host blocked in H's waits (the bench prints it per rank)
+
+    @property
+    def holder(self) -> bool:
+        return self.rank == self.last_rank
+
+    def _root(self) -> int:
+        return dist.get_global_rank(self.layers.pp_group, self.last_rank)
+
+    def _wait(self, pending: Pending) -> None:
+        start = time.perf_counter()
+        pending.wait()
+        self.wait_seconds += time.perf_counter() - start
+
+    def run(self, microbatch: int, shape: tuple[int, int, int], hidden: torch.Tensor | None,
+            labels: torch.Tensor | None, loss: Callable | None, training: bool) -> torch.Tensor | None:
+        """H(k). ``shape``: [s, b, h] of the hidden state; ``hidden`` and ``labels`` [b, s]: the last
+        stage's (None on the other ranks);
+        ``loss(per_token_loss [b, s])`` runs the script's loss function there and, training, returns
+        d(objective)/d(loss). Returns the hidden state's gradient on the last stage's rank (training)."""
+        layers, pp = self.layers, self.layers.pp_group
+        s, b, h = shape
+        hidden_in, labels_in = self._receive(hidden, labels, shape)
+        weight = layers.pass_weight()
+        out = vp.local_output(hidden_in.to(weight.dtype).reshape(s * b, h), weight,
+                              labels_in.t().reshape(s * b), layers.shard)
+        stats, gathered = self._post_gather(out.stats)
+        parts = vp.unit_grad_parts(out, weight) if training else None  # overlaps the all-gather
+        self._wait(stats)
+        vp.combine_statistics(out, torch.cat(gathered))
+        partial = reduced = None
+        if training:
+            partial = vp.unit_hidden_grad(out, parts)
+            reduced = self.queue.post(lambda: dist.reduce(partial, dst=self._root(), group=pp, async_op=True), (partial,))
+        grad_loss = None
+        if self.holder:
+            grad_loss = loss(out.loss.view(s, b).t().contiguous())
+        if not training:
+            return None
+        if self.holder:
+            g = grad_loss.to(torch.float32).t().reshape(s * b).contiguous()
+        else:
+            g = torch.empty(s * b, dtype=torch.float32, device=weight.device)
+        sent = self.queue.post(lambda: dist.broadcast(g, src=self._root(), group=pp, async_op=True), (g,))
+        pending = (sent,) if self.holder else (sent, reduced)
+        nbytes = out.probs.nbytes + out.hidden.nbytes + g.nbytes + (0 if self.holder else partial.nbytes)
+        self.held[microbatch] = HeldForG(out, g, pending, nbytes)
+        if not self.holder:
+            return None
+        self._wait(reduced)
+        if layers.tp_group.size() > 1:  # the other TP ranks' shards: summed among the last stage's TP ranks
+            dist.all_reduce(partial, group=layers.tp_group)
+        return partial.mul_(g.unsqueeze(-1)).view(s, b, h).to(hidden.dtype)
+
+    def weight_grad(self, microbatch: int) -> None:
+        """G(k): wait for the loss gradient, then add this rank's output-layer weight gradient."""
+        held = self.held.pop(microbatch)
+        for pending in held.pending:
+            self._wait(pending)
+        weight = self.layers.output_weight.detach()
+        grad_logits = vp.logits_grad(held.out, held.grad_loss, weight.dtype)
+        hidden = held.out.hidden
+        self.layers.output_weight_grad_task(lambda: grad_logits.t() @ hidden)()
+
+    def held_bytes(self) -> int:
+        return sum(held.nbytes for held in self.held.values())
+
+    # --- step 1 ---------------------------------------------------------------------------------------
+
+    def _receive(self, hidden, labels, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state and the labels from the last stage's rank, in one broadcast: the labels'
+        int64 bytes first (aligned for the view back), then the hidden state, in the pipeline dtype."""
+        s, b, h = shape
+        label_elems = b * s * torch.empty((), dtype=torch.long).element_size() // _element_size(self.dtype)
+        if self.holder:
+            # Megatron's Float16Module hands a last stage's output back in fp32 under --bf16: every rank
+            # receives the pipeline dtype, and the gradient goes back in the output's own dtype.
+            packed = torch.cat([labels.to(torch.long).contiguous().view(self.dtype).reshape(-1),
+                                hidden.detach().to(self.dtype).reshape(-1)])
+        else:
+            packed = torch.empty(label_elems + s * b * h, dtype=self.dtype, device=self.layers.embedding_weight.device)
+        arrived = self.queue.post(lambda: dist.broadcast(packed, src=self._root(), group=self.layers.pp_group,
+                                                         async_op=True), (packed,))
+        if not self.holder:
+            self._wait(arrived)  # the holder reads its own copy; the send finishes behind it
+        return packed[label_elems:].view(s, b, h), packed[:label_elems].view(torch.long).view(b, s)
+
+    def _post_gather(self, stats: torch.Tensor) -> tuple[Pending, list[torch.Tensor]]:
+        """Every rank's statistics: over TP (blocking: the last stage's TP ranks hold the same hidden state, so
+        they arrive together), then over the pipeline group on the queue."""
+        gathered = stats.unsqueeze(0)
+        if self.layers.tp_group.size() > 1:
+            parts = [torch.empty_like(gathered) for _ in range(self.layers.tp_group.size())]
+            dist.all_gather(parts, gathered.contiguous(), group=self.layers.tp_group)
+            gathered = torch.cat(parts)
+        pp = self.layers.pp_group
+        parts = [torch.empty_like(gathered) for _ in range(pp.size())]
+        source = gathered.contiguous()
+        return self.queue.post(lambda: dist.all_gather(parts, source, group=pp, async_op=True), (source, *parts)), parts
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
