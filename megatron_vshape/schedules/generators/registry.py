@@ -123,15 +123,16 @@ class ScheduleSpec:
         if memory_limit is not None and not self.takes_memory_limit:
             raise ScheduleError(f"--memory-limit only applies to v-auto; {self.name} has a fixed memory footprint")
         costs.check_stages(num_devices * self.chunks_per_device(chunks), f"{self.name} on {num_devices} devices")
-        # The generators schedule the layers; vocabulary passes (costs.vocab) are placed afterwards.
-        request = Request(num_devices, num_microbatches, costs.without_vocab(), memory_limit, chunks,
-                          memory if memory is not None else MemoryModel())
+        # The generators schedule the layers; vocabulary passes (costs.vocab) and F&B pairs (costs.a2a) are
+        # placed afterwards, in the family's own order.
+        request = Request(num_devices, num_microbatches, dataclasses.replace(costs.without_vocab(), a2a=0.0),
+                          memory_limit, chunks, memory if memory is not None else MemoryModel())
         schedule = self.generate(request)
         if self.order_from_costs and not costs.uniform:
             schedule = self._not_slower_than_uniform(schedule, request)
         if costs.a2a > 0 and costs.vocab is None:  # issue 43: F&B pairs hide the all-to-all (pairing.py)
             limit = request.memory_limit if self.takes_memory_limit else None
-            schedule = pairing.paired(schedule, request.costs, request.memory, limit or self.memory_factor)
+            schedule = pairing.paired(schedule, costs, request.memory, limit or self.memory_factor)
         if costs.vocab is not None:
             schedule = with_vocab_passes(schedule, costs, self.vocab_g_in_gaps)
         return schedule
