@@ -8,6 +8,8 @@ import pytest
 from core_versions import copy_main_checkout, missing, other_minor, require_interpreter
 from hypothesis import HealthCheck, settings
 
+from megatron_vshape.testing import feature_matrix
+
 # Property tests draw the same examples on every run (derandomized), so the suite's time and
 # verdict do not change from run to run and a CI failure reproduces locally as is. Schedules take
 # up to seconds to build, so no per-example deadline. HYPOTHESIS_PROFILE=explore draws new random
@@ -79,7 +81,7 @@ def megatron_main(tmp_path_factory) -> Path:
 
 # The longest files of a CI run (each 1.5-5 minutes of a 2-core machine: Megatron training launches,
 # the full-size Slurm schedules), longest first. Only an ordering hint: a file not listed still runs.
-LONGEST_FILES = ("megatron/test_feature_matrix.py", "megatron/test_pretrain_cpu.py", "runtime/test_executor_exact.py",
+LONGEST_FILES = (*(f"megatron/test_feature_matrix_rows_{i}.py" for i in range(feature_matrix.SHARDS)), "megatron/test_pretrain_cpu.py", "runtime/test_executor_exact.py",
                  "megatron/test_real_client_hybrid.py", "megatron/test_slurm.py", "megatron/test_real_client.py",
                  "megatron/test_recipes.py", "runtime/test_other_megatron_core.py")
 

@@ -13,8 +13,8 @@ model (:meth:`Row.reference_flags`): the schedule, the vocabulary flag and the l
 options and recomputation change when Megatron's work runs, never its maths, so rows that differ only in
 those share one reference run.
 
-This module only says what runs (pure Python besides ``allpairspy``); ``tests/megatron/test_feature_matrix.py``
-launches the rows and ``scripts/feature_matrix.py`` renders ``docs/recipes.md``'s table from their results.
+This module only says what runs (pure Python besides ``allpairspy``); ``tests/megatron/test_feature_matrix*.py``
+launch the rows and ``scripts/feature_matrix.py`` renders ``docs/recipes.md``'s table from their results.
 """
 
 from __future__ import annotations
@@ -293,6 +293,37 @@ def rows() -> tuple[Row, ...]:
         [*(FACTORS[n] for n in run_factors), range(len(catalogue))],
         filter_func=lambda partial: allowed(values_of(partial)), previously_tested=previous))]
     return tuple(generated + _completion(generated, catalogue))
+
+
+# The matrix's launches are spread over this many test files (tests/megatron/test_feature_matrix_rows_*.py).
+# CI's pytest-xdist workers take whole files (``--dist loadfile``), so one file would run every launch on
+# one worker while the other sits idle.
+SHARDS = 4
+
+
+def shards(matrix: Sequence[Row] | None = None, count: int = SHARDS) -> tuple[tuple[Row, ...], ...]:
+    """``matrix`` (default :func:`rows`) in ``count`` parts, each holding whole models: rows that share
+    Megatron's reference run stay together, so each reference is launched once per tier. Balanced by
+    launches (rows plus one reference per model), per tier (the default tier's rows, then the others):
+    greedy, largest model first, into the part whose busier tier stays least busy."""
+    matrix = rows() if matrix is None else matrix
+    groups: dict[tuple, list[Row]] = {}
+    for row in matrix:
+        groups.setdefault(row.reference_key(), []).append(row)
+
+    def launches(group: Sequence[Row]) -> tuple[int, int]:
+        default = sum(row in DEFAULT_ROWS for row in group)
+        extended = len(group) - default
+        return default + (default > 0), extended + (extended > 0)
+
+    loads = [(0, 0)] * count
+    parts: list[list[Row]] = [[] for _ in range(count)]
+    for group in sorted(groups.values(), key=lambda g: (-sum(launches(g)), matrix.index(g[0]))):
+        cost = launches(group)
+        best = min(range(count), key=lambda i: (max(loads[i][0] + cost[0], loads[i][1] + cost[1]), sum(loads[i]), i))
+        loads[best] = (loads[best][0] + cost[0], loads[best][1] + cost[1])
+        parts[best].extend(group)
+    return tuple(tuple(sorted(part, key=matrix.index)) for part in parts)
 
 
 def _completion(matrix: Sequence[Row], catalogue: Sequence[dict]) -> list[Row]:

@@ -1,85 +1,19 @@
-"""The pairwise feature matrix through Megatron-LM's own scripts (``megatron_vshape/testing/feature_matrix.py``).
-
-Every row trains 3 iterations and one evaluation on 4 CPU ranks and must print the losses of Megatron's own
-1F1B without our flags on the same model (one reference run per model, shared by the rows that differ only
-in our flags, the DP options or recomputation). ``-m extended`` runs every row; the default tier runs a
-fixed subset that holds every value of every factor. With ``VSHAPE_MATRIX_RESULTS=path`` each row's
-result is appended to that file (JSON lines), which ``scripts/feature_matrix.py`` renders into
-``docs/recipes.md``.
+"""The pairwise feature matrix through Megatron-LM's own scripts (``megatron_vshape/testing/feature_matrix.py``):
+what it covers, the page generated from it, and its refusals. Its rows train in
+``test_feature_matrix_rows_*.py`` (``feature_matrix_rows.py``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import textwrap
 
 import pytest
-from glue_support import LOSS, launch_ranks
 
 from megatron_vshape.testing import feature_matrix as fm
 
-pytestmark = pytest.mark.slow  # launches processes
-
-TIMEOUT = 300
-EVAL = re.compile(r"validation loss at iteration 3 on validation set \| lm loss value: ([0-9.E+-]+)")
 MATRIX = fm.rows()
 DEFAULT = fm.DEFAULT_ROWS
-
-
-def _launch(python: str, client, script: str, flags: list[str]) -> tuple[int, str]:
-    result = launch_ranks(python, fm.RANKS, ["-m", "megatron_vshape.run", str(client / script)], flags,
-                          timeout=TIMEOUT)
-    return result.returncode, result.stdout
-
-
-def _losses(output: str) -> dict:
-    losses = {int(i): float(v) for i, v in LOSS.findall(output)}
-    evaluation = EVAL.findall(output)
-    if evaluation:
-        losses["validation"] = float(evaluation[0])
-    return losses
-
-
-@pytest.fixture(scope="module")
-def references(mc19_python, megatron_lm_019):
-    """Megatron's own 1F1B per model (launched on first use)."""
-    cache: dict[tuple, dict] = {}
-
-    def reference(row: fm.Row) -> dict:
-        key = row.reference_key()
-        if key not in cache:
-            code, output = _launch(mc19_python, megatron_lm_019, row.script, row.reference_flags())
-            assert code == 0, f"Megatron's 1F1B for {row.name}:\n{output[-5000:]}"
-            cache[key] = _losses(output)
-            assert set(cache[key]) == {1, 2, 3, "validation"}, output[-3000:]
-        return cache[key]
-
-    return reference
-
-
-def _record(row: fm.Row, outcome: dict) -> None:
-    path = os.environ.get("VSHAPE_MATRIX_RESULTS")
-    if path:
-        with open(path, "a") as out:
-            out.write(json.dumps({"row": row.as_dict(), "name": row.name, **outcome}) + "\n")
-
-
-@pytest.mark.timeout(3 * TIMEOUT)
-@pytest.mark.parametrize("row", [pytest.param(row, id=row.name, marks=() if row in DEFAULT else pytest.mark.extended)
-                                 for row in MATRIX])
-def test_row_gives_megatrons_1f1b_losses(mc19_python, megatron_lm_019, references, row):
-    code, output = _launch(mc19_python, megatron_lm_019, row.script, row.flags())
-    refused = [line for line in output.splitlines() if "megatron-vshape error:" in line]
-    if code != 0:
-        _record(row, {"outcome": "failed", "refusal": refused[:1]})
-        pytest.fail(f"{row.name} exited {code}:\n{output[-5000:]}")
-    got, want = _losses(output), references(row)
-    assert set(got) == set(want), (row.name, got, output[-3000:])
-    errors = {k: abs(got[k] - want[k]) / abs(want[k]) for k in want}
-    _record(row, {"outcome": "ran", "losses": got, "reference": want, "max_rel_err": max(errors.values())})
-    assert max(errors.values()) <= row.tolerance(), (row.name, errors, got, want)
 
 
 def test_the_matrix_covers_every_allowed_pair_and_the_default_tier_every_value():
@@ -90,6 +24,19 @@ def test_the_matrix_covers_every_allowed_pair_and_the_default_tier_every_value()
     # every excluded pair is one a row could otherwise hold, and none does
     for exclusion in fm.EXCLUDED:
         assert not any(exclusion.forbids(row.as_dict()) for row in MATRIX)
+
+
+def test_the_shard_files_hold_every_row_once_and_each_model_in_one_file():
+    parts = fm.shards()
+    assert sorted((row for part in parts for row in part), key=MATRIX.index) == list(MATRIX)
+    owner = {}
+    for index, part in enumerate(parts):
+        for row in part:
+            assert owner.setdefault(row.reference_key(), index) == index, row.name  # one reference launch per tier
+    from glue_support import ROOT
+
+    files = sorted(p.name for p in (ROOT / "tests" / "megatron").glob("test_feature_matrix_rows_*.py"))
+    assert files == [f"test_feature_matrix_rows_{i}.py" for i in range(fm.SHARDS)]
 
 
 def test_docs_recipes_md_holds_the_matrix_of_this_tree():
@@ -122,6 +69,7 @@ REFUSALS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a process that imports torch and Megatron
 @pytest.mark.timeout(300)
 def test_every_excluded_pair_the_plugin_refuses_is_one_line_before_any_rank_computes(mc19_python):
     """A row that holds a refused pair (the other factors as the first default row that allows it) gets the
