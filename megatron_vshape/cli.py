@@ -216,7 +216,7 @@ def _write(output: str, text: str) -> None:
 
 
 def _cmd_import(args) -> int:
-    from .schedules.core.actions import parse_action
+    from .schedules.core.actions import parse_step
     from .schedules.export.torch_csv import from_torch_csv, parse_torch_csv
 
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
@@ -224,7 +224,9 @@ def _cmd_import(args) -> int:
     if args.format == "torch-csv":
         rows = parse_torch_csv(text)
     else:
-        rows = tuple(tuple(parse_action(tok) for tok in line.split()) for line in text.strip().splitlines())
+        # A pair (F3.7&B5.2) is its two actions here; Schedule.from_text keeps it a pair.
+        rows = tuple(tuple(a for tok in line.split() for a in _actions_of(parse_step(tok)))
+                     for line in text.strip().splitlines())
     placement = cli_inputs.placement_of(args, rows)
     if args.microbatches is not None:
         inputs.count("--microbatches", args.microbatches, 1, inputs.MAX_MICROBATCHES)
@@ -241,6 +243,12 @@ def _cmd_import(args) -> int:
                                        schedule.num_microbatches, source=f"FILE {args.file}")
     _report(_simulate(schedule, args), args)
     return 0
+
+
+def _actions_of(step) -> tuple:
+    from .schedules.core.actions import Pair
+
+    return tuple(step) if isinstance(step, Pair) else (step,)
 
 
 _COMMANDS = {

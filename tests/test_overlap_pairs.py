@@ -181,3 +181,22 @@ def test_text_grid_shows_both_halves_of_a_pair():
     cells = grid.split()[1:]
     start = cells.index("F0.1")
     assert cells[start:start + 4] == ["F0.1", "F0.1", "B1.0", "B1.0"]  # the pair's 2 units: F's half, then B's
+
+
+def test_cli_exports_and_imports_a_paired_schedule(tmp_path, capsys):
+    import json
+
+    from megatron_vshape import cli
+
+    path = tmp_path / "paired.txt"
+    common = ["--costs", "f=1,b=1,w=1,a2a=1", "--json"]
+    assert cli.main(["export", "-s", "v-zb", "-d", "2", "-m", "4", "--costs", "a2a=1", "--format", "text",
+                     "-o", str(path)]) == 0
+    assert "&B" in path.read_text()
+    capsys.readouterr()
+    assert cli.main(["simulate", "-s", "v-zb", "-d", "2", "-m", "4", *common]) == 0
+    built = json.loads(capsys.readouterr().out)
+    assert cli.main(["import", "--format", "text", "--placement", "v", *common, str(path)]) == 0
+    imported = json.loads(capsys.readouterr().out)
+    assert built["pairs"] == imported["pairs"] > 0 and built["makespan"] == imported["makespan"]
+    assert imported["exposed_a2a_each_device"] == built["exposed_a2a_each_device"]
