@@ -32,6 +32,7 @@ from megatron_vshape.schedules.lowering.nccl_model import (
 )
 from megatron_vshape.schedules.lowering.program import lower_program
 from megatron_vshape.schedules.lowering.validator import InvalidSchedule, validate
+from megatron_vshape.schedules.lowering.vocab_embedding import embedding_slots, held_peak
 
 HEAD = VocabWork(f=0.92, b=0.92, w=0.92, memory=0.5)
 UNEQUAL = Costs(f=1.0, b=1.3, w=0.8, comm=0.05)
@@ -162,9 +163,12 @@ def test_h_posts_its_collectives_on_the_vocabulary_queue_and_waits_only_where_ne
     costs = Costs(vocab=HEAD)
     schedule = get_schedule("v-half", 2, 4, costs)
     train = lower_program(schedule, costs)
-    labels = [[op.label for op in rank.exchange if op.kind is OpKind.COLLECTIVE] for rank in train.ranks]
-    assert labels[0] == labels[1]
+    every = [[op.label for op in rank.exchange if op.kind is OpKind.COLLECTIVE] for rank in train.ranks]
+    assert every[0] == every[1]  # one order on every rank, the embedding's collectives included
+    labels = [[x for x in rank if x.startswith("H")] for rank in every]
     assert labels[0][:4] == ["H0 hidden state and labels", "H0 statistics", "H0 hidden gradient", "H0 loss gradient"]
+    # the embedding per microbatch: one lookup reduce (E) and one gradient broadcast (D) each
+    assert sorted(x for x in every[0] if x[0] in "ED") == sorted(f"{w}{k} embedding" for w in "ED" for k in range(4))
     assert {op.queue for rank in train.ranks for op in rank.exchange if op.kind is OpKind.COLLECTIVE} == {VOCAB_QUEUE}
     for r, rank in enumerate(train.ranks):
         ops = rank.exchange
@@ -179,7 +183,24 @@ def test_h_posts_its_collectives_on_the_vocabulary_queue_and_waits_only_where_ne
         assert loss_wait == g_step - (1 if holder else 2)  # right before G(0): the broadcast (and the reduce's send)
     evaluate = lower_program(schedule, costs, forward_only_call=True)
     assert {op.label.split(" ", 1)[1] for rank in evaluate.ranks for op in rank.exchange
-            if op.kind is OpKind.COLLECTIVE} == {"hidden state and labels", "statistics"}
+            if op.kind is OpKind.COLLECTIVE} == {"hidden state and labels", "statistics", "embedding"}
+
+
+def test_the_first_stage_holds_a_bounded_number_of_embeddings_whatever_m():
+    """The embedding's collectives go at the H passes (schedules/lowering/vocab_embedding.py): the first
+    stage's rank holds embeddings and their gradients for a few microbatches, the same at m = 16 and 64
+    (the call-wide prologue held all m)."""
+    costs = Costs(vocab=HEAD)
+    for name in ("1f1b", "v-half", "v-zb", "v-min", "zb-1p"):
+        peaks = []
+        for m in (16, 64):
+            schedule = get_schedule(name, 4, m, costs)
+            actions = schedule.programs[schedule.placement.device_of(0)]
+            slots = embedding_slots(actions, training=True)
+            assert sorted(k for ks in slots.lookups for k in ks) == list(range(m))
+            assert sorted(k for ks in slots.grads for k in ks) == list(range(m))
+            peaks.append(held_peak(actions, training=True))
+        assert peaks[0] == peaks[1] <= 8, (name, peaks)
 
 
 def test_a_wait_across_queues_that_closes_a_cycle_deadlocks():

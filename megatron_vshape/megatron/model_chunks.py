@@ -58,9 +58,9 @@ class ChunkBuilder:
                 tie_output_to_embedding(self._chunks)
                 self._chunks = []
         if getattr(self.args, "pipeline_vocab_parallel", False):
-            from .vocab_layers import add_built_chunk
+            from .vocab_surgery import add_built_chunk
 
-            add_built_chunk(self, model)  # after the rank's last chunk: vocabulary shards (vocab_layers.py)
+            add_built_chunk(self, model)  # after the rank's last chunk: vocabulary shards (vocab_surgery.py)
         return model
 
     @contextlib.contextmanager

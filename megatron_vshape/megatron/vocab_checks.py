@@ -3,7 +3,7 @@
 The start-up checks (``checks.check_vocab_parallel``) read the parsed arguments only; megatron-core's
 version is read from the imported module when Megatron's argument parsing has imported it (it has, by
 the time the plugin's checks run), else the version check waits for the model surgery
-(``vocab_layers.install_vocab_parallel``), which runs it again.
+(``vocab_surgery.install_vocab_parallel``), which runs it again.
 """
 
 from __future__ import annotations

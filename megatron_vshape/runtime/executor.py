@@ -41,7 +41,8 @@ from megatron_vshape.schedules.lowering.program import Program, lower_program
 from megatron_vshape.schedules.lowering.validator import validate
 
 from . import te_wgrad
-from .iteration import CallArgs, Iteration, IterationResult, IterationSetup, pipeline_groups
+from .iteration import Iteration
+from .iteration_types import CallArgs, IterationResult, IterationSetup, pipeline_groups
 from .p2p import PairGroups, local_device
 from .replan import (
     CostProfile,

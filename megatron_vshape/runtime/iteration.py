@@ -1,5 +1,8 @@
 """One call of the executor on one rank: the pass loop, p2p delivery, and the gradient finish.
 
+The values it is handed and returns are :mod:`.iteration_types`; the data-parallel reductions it holds back
+and starts per chunk are :mod:`.grad_finish`.
+
 :class:`ScheduleExecutor` (``executor.py``) owns what lives across calls (schedules, the lowered
 programs, p2p groups, re-planning). Per call it hands an :class:`Iteration` a frozen
 :class:`IterationSetup` (this rank's program, the stores and clocks it writes to) and megatron's
@@ -11,104 +14,24 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from megatron_vshape.schedules.core.actions import Action, Kind, VocabKind
 from megatron_vshape.schedules.core.schedule import PlacementKind
 from megatron_vshape.schedules.lowering.messages import Message, Payload
-from megatron_vshape.schedules.lowering.program import Program, ProgramStep
+from megatron_vshape.schedules.lowering.program import ProgramStep
 
 from . import compat
 from .active_stage import running_stage
+from .grad_finish import GradSyncControl, v_pg_collection
 from .grad_sync import BucketLauncher
-from .p2p import PairGroups, PlanExchange, local_device
-from .placement import LocalGroup, chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
-from .replan import PassClock
-from .timeline import Category, Timeline
+from .iteration_types import CallArgs, Chunk, IterationResult, IterationSetup
+from .p2p import PlanExchange, local_device
+from .placement import chunk_specs, sum_tied_embedding_grads, tied_embedding_pair
+from .timeline import Category
 from .vocab_iteration import VocabPasses, vocab_layers_of
-from .watchdog import Progress, ScheduleWatchdog
-from .wgrad_adapter import WeightGradAdapter
-
-
-@dataclass(frozen=True)
-class PipelineGroups:
-    """The call's pipeline group and the sizes of its tensor- and context-parallel groups."""
-
-    pp: object  # torch.distributed.ProcessGroup
-    tp_size: int
-    cp_size: int
-
-
-def pipeline_groups(pg_collection) -> PipelineGroups:
-    """The groups of megatron's ``pg_collection`` (0.19's ``train_step`` passes one), else parallel_state's."""
-    if pg_collection is not None:
-        return PipelineGroups(pg_collection.pp, pg_collection.tp.size(), pg_collection.cp.size())
-    from megatron.core import parallel_state
-
-    return PipelineGroups(parallel_state.get_pipeline_model_parallel_group(),
-                          parallel_state.get_tensor_model_parallel_world_size(),
-                          parallel_state.get_context_parallel_world_size())
-
-
-@dataclass(frozen=True)
-class IterationSetup:
-    """What the executor hands one call: this rank's program and what the call writes to."""
-
-    schedule_name: str
-    program: Program  # every rank's, lowered for this call (training, or forward-only)
-    rank: int  # this rank's index in the pipeline group
-    groups: PipelineGroups
-    wgrad: WeightGradAdapter  # the weight-gradient store the split linears push to
-    pair_groups: Callable[[], PairGroups]  # the p2p groups, created and warmed up on first use
-    watchdog: ScheduleWatchdog | None = None
-    record_passes: bool = False  # keep (action, start, end) of every pass (IterationResult.pass_times)
-    spans: Timeline | None = None  # where the wall time goes (timeline.py), when recorded
-    clock: PassClock | None = None  # times passes for --pipeline-costs auto, while it measures
-
-
-@dataclass(frozen=True)
-class CallArgs:
-    """The arguments of megatron's forward-backward call that the iteration reads."""
-
-    forward_step_func: Callable
-    data_iterator: object
-    models: list
-    num_microbatches: int
-    seq_length: int
-    micro_batch_size: int
-    forward_only: bool
-    collect_non_loss_data: bool
-    first_val_step: bool | None
-    force_all_reduce: bool | None
-    pg_collection: object
-
-
-@dataclass(frozen=True)
-class IterationResult:
-    losses: list  # megatron's return value: what the loss function reduced, per microbatch
-    pass_times: list[tuple[Action, float, float]] | None  # with IterationSetup.record_passes
-    tensor_shape: tuple[int, ...]  # of one p2p message (the cost profile measures sending it)
-    dtype: torch.dtype
-    # With vocabulary passes: (peak bytes held from H to G, the first stage's embeddings' bytes) on this rank
-    vocab_bytes: tuple[int, int] | None = None
-
-
-@dataclass
-class Chunk:
-    """Per-iteration state of one model chunk (one stage) of this rank."""
-
-    model: torch.nn.Module
-    data_iterator: object
-    stage: int
-    index: int
-    vp_stage: int | None
-    is_last_stage: bool
-    inputs: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    output_grads: dict[int, torch.Tensor | None] = field(default_factory=dict)
+from .watchdog import Progress
 
 
 class Iteration:
@@ -184,9 +107,10 @@ class Iteration:
                              "or both without")
         if layers is None:
             return None
+        first = self.setup.program.ranks[self.placement.device_of(0)]
         return VocabPasses(layers, self.placement, self.rank, call.num_microbatches, call.micro_batch_size,
                            call.seq_length // self.cp_size, self.config.pipeline_dtype or self.config.params_dtype,
-                           call.forward_only)
+                           call.forward_only, tuple(step.action for step in first.steps))
 
     def chunk_of(self, stage: int) -> Chunk:
         return self.chunks[self.placement.chunk_of(stage)]
@@ -213,7 +137,7 @@ class Iteration:
         pass_times = [] if self.setup.record_passes else None
         spans = exchange.timeline = self.setup.spans  # where the wall time goes (timeline.py)
         clock = self.setup.clock
-        with _GradSyncControl(self.config, self.models, enabled=not self.forward_only,
+        with GradSyncControl(self.config, self.models, enabled=not self.forward_only,
                               launcher=self.launcher) as grad_sync:
             if self.vocab is not None:
                 progress.at("the vocabulary prologue (tokens to every rank, embeddings to the first stage)")
@@ -440,70 +364,8 @@ class Iteration:
             torch.distributed.broadcast(num_tokens, src=src, group=self.pp_group)
         func = self.config.finalize_model_grads_func
         if func is not None:
-            pg_collection = _v_pg_collection(self.pg_collection) if is_v else self.pg_collection
+            pg_collection = v_pg_collection(self.pg_collection) if is_v else self.pg_collection
             compat.call_finalize(func, self.models, num_tokens, pg_collection, self.force_all_reduce)
-
-
-class _GradSyncControl:
-    """Holds back data-parallel gradient reduction until every backward of a chunk is done."""
-
-    def __init__(self, config, models, enabled: bool, launcher: BucketLauncher | None = None):
-        self.config, self.models, self.enabled, self.launcher = config, models, enabled, launcher
-        self._stack = contextlib.ExitStack()
-        self._started: set[int] = set()
-
-    def __enter__(self):
-        if not self.enabled:
-            return self
-        no_sync = self.config.no_sync_func
-        funcs = no_sync if isinstance(no_sync, list) else (
-            [no_sync] if no_sync is not None else [m.no_sync for m in self.models if hasattr(m, "no_sync")])
-        for func in funcs:
-            self._stack.enter_context(func())
-        return self
-
-    def start(self, chunk_index: int) -> None:
-        """All W of chunk ``chunk_index`` are done: launch its (overlapped) reduction now."""
-        if not self.enabled or chunk_index in self._started:
-            return
-        self._started.add(chunk_index)
-        model = self.models[chunk_index]
-        ddp_config = getattr(model, "ddp_config", None)
-        if ddp_config is None or not ddp_config.overlap_grad_reduce:
-            return  # finalize_model_grads reduces synchronously
-        if self.launcher is not None and self.launcher.launch_rest(chunk_index):
-            return  # a split backward: bucket by bucket, what is not launched yet (grad_sync.py)
-        grad_sync = self.config.grad_sync_func
-        if isinstance(grad_sync, list):
-            grad_sync[chunk_index](model.parameters())
-        elif grad_sync is not None:
-            grad_sync(model.parameters())
-        else:
-            model.start_grad_sync()
-
-    def __exit__(self, *exc):
-        self._stack.close()
-        return False
-
-
-def _v_pg_collection(pg_collection):
-    """Process groups for finalize on a V: no cross-rank embedding group (tied copies are local)."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection()
-        pg_collection.tp = parallel_state.get_tensor_model_parallel_group()
-        pg_collection.pp = parallel_state.get_pipeline_model_parallel_group()
-        pg_collection.cp = parallel_state.get_context_parallel_group()
-        pg_collection.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    else:
-        import copy
-
-        pg_collection = copy.copy(pg_collection)
-    pg_collection.embd = LocalGroup()  # tied copies are summed locally after finalize
-    pg_collection.pos_embd = None
-    return pg_collection
 
 
 def _deallocate(output, config) -> None:

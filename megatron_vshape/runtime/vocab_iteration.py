@@ -8,24 +8,24 @@ group of this TP rank, as ``VocabShardLayers.groups``):
 
 * **Prologue** (before the first pass of the call): the rank that holds the first stage reads the
   tokens of all the call's microbatches ahead from its data iterator (the forward steps then read the
-  same items from a buffer) and broadcasts them, over TP (from TP rank 0: Megatron's other TP ranks
-  read no data) and then over the pipeline group. Every rank looks up its rows; the partial sums are
-  reduced over TP and onto the first stage's rank over the pipeline group. That rank hands microbatch
-  k's embedding to the first chunk before its F(k) (``EmbeddingInput.set``). These are the only
-  collectives outside the passes, where every rank is at the same point of the call anyway; the cost is
-  the first stage's rank holding m microbatches' embeddings (m x b x s x h) for the call.
-* **H(k)**, a collective pass (all ranks run it together): the last stage's rank broadcasts the final
-  hidden state of microbatch k and its labels; every rank computes its logits and the softmax
-  statistics (one all-gather: ``output_forward``); the last stage's rank runs the script's loss function
-  on the per-token loss (Megatron's ``forward_step_calc_loss``: its scaling, token counts and reported
-  values) and its backward, and broadcasts d(objective)/d(per-token loss); every rank computes its part
-  of the hidden state's gradient (one all-reduce) and keeps its weight gradient as a task. The last
-  stage's B(k) then starts from that gradient, as any stage whose output went to another stage.
-  Evaluation calls run the forward half only.
-* **G(k)**: the task adds this rank's output-layer weight gradient (a W, deferrable).
-* **Epilogue** (training, after the last pass): the first stage's rank broadcasts the gradients of the
-  embeddings it was handed; every rank adds its rows' embedding weight gradient. The gradient reduction
-  of the chunk holding the shard starts after this.
+  same items from a buffer) and broadcasts them (8 bytes a token), over TP (from TP rank 0: Megatron's
+  other TP ranks read no data) and then over the pipeline group.
+* **The embedding, per microbatch** (runtime/vocab_embedding.py): every rank looks up its rows of
+  microbatch k's tokens and the sums are reduced onto the first stage's rank, which hands them to its
+  F(0, k) (``EmbeddingInput.set``); after its B(0, k) the embedding's gradient is broadcast back and every
+  rank adds its rows' weight gradient into the fp32 ``main_grad``. These collectives go at the start of
+  the call, at the start of an H, or at the end, as late as the first stage's program allows
+  (schedules/lowering/vocab_embedding.py): the first stage holds a few microbatches' embeddings and
+  gradients, a number the schedule bounds, not m.
+* **H(k)**, a collective pass (all ranks run it together, runtime/vocab_h.py): one rendezvous per
+  microbatch; the last stage's B(k) then starts from the hidden state's gradient, as any stage whose
+  output went to another stage. Evaluation calls run the forward half only.
+* **G(k)**: waits for H's loss gradient and adds this rank's output-layer weight gradient (a W, deferrable).
+* **Epilogue** (after the last pass): the embedding's last slot (the gradients whose B came after the
+  last H). Every chunk's gradient reduction starts after it.
+
+Every pipeline-group collective goes through the rank's vocabulary queue (runtime/comm_queue.py), in the
+one order the lowering's program records (schedules/lowering/exchange.py) and the NCCL model checks.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_vshape.schedules.core.schedule import Placement
+from megatron_vshape.schedules.lowering.vocab_embedding import EmbeddingSlots, embedding_slots
 
 from .comm_queue import CommQueue
 from .placement import _unwrap
+from .vocab_embedding import EmbeddingPasses
 from .vocab_h import HPass
 
 LAYERS_NAME = "vocab_parallel"  # the submodule of a rank's first chunk that holds its vocabulary shard
@@ -81,21 +83,25 @@ class VocabPasses:
     seq_length: int
     dtype: torch.dtype
     forward_only: bool
+    # The first stage's rank's actions in run order (the lowered program's): where the embedding's
+    # collectives go (schedules/lowering/vocab_embedding.py). Empty: all lookups at the start, all gradients
+    # at the end (a call-wide buffer; only for callers without a program).
+    first_actions: tuple = ()
     tokens: torch.Tensor | None = None  # [m, b, s] of the call
-    embeddings: dict[int, torch.Tensor] = field(default_factory=dict)  # first stage: handed to F(k)
     embedding_leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # first stage: F(k)'s inputs
-    embedding_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # first stage: after B(k)
     labels: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: what F(k) was called with
     loss_funcs: dict[int, Callable] = field(default_factory=dict)  # last stage: the script's loss of F(k)
     # What the passes hold, for the [vshape] line: the peak of the bytes kept from H(k) to G(k) (the
-    # softmax shard, the hidden state, the loss gradient, a reduce's send), and the first stage's embeddings.
+    # softmax shard, the hidden state, the loss gradient, a reduce's send), and the peak of the embedding's
+    # (embeddings and gradients held, collectives in flight).
     peak_held_bytes: int = 0
-    embedding_bytes: int = 0
     h_pass: HPass = field(init=False)
+    embedding: EmbeddingPasses | None = field(init=False, default=None)
+    h_count: int = 0
 
     def __post_init__(self):
-        queue = CommQueue("vocabulary", self.layers.embedding_weight.device)
-        self.h_pass = HPass(self.layers, queue, self.rank, self.last_rank, self.dtype)
+        self.queue = CommQueue("vocabulary", self.layers.embedding_weight.device)
+        self.h_pass = HPass(self.layers, self.queue, self.rank, self.last_rank, self.dtype)
 
     @property
     def first_rank(self) -> int:
@@ -113,18 +119,19 @@ class VocabPasses:
     def pp_group(self):
         return self.layers.pp_group
 
+    @property
+    def embedding_bytes(self) -> int:
+        return 0 if self.embedding is None else self.embedding.peak_bytes
+
     def _device(self) -> torch.device:
         return self.layers.embedding_weight.device
 
-    def _broadcast(self, tensor: torch.Tensor, pp_src: int) -> torch.Tensor:
-        dist.broadcast(tensor, src=dist.get_global_rank(self.pp_group, pp_src), group=self.pp_group)
-        return tensor
-
-    # --- prologue and epilogue --------------------------------------------------------------------
+    # --- the call's start and end ------------------------------------------------------------------
 
     def prologue(self, first_chunk_iterator) -> object:
-        """Tokens to every rank, the embeddings to the first stage. Returns the first chunk's data
-        iterator to use (the prefetched one on the first stage's rank)."""
+        """The tokens to every rank (one broadcast of [m, b, s] int64: 8 bytes a token), then the
+        embedding's slot 0. Returns the first chunk's data iterator to use (the prefetched one on the first
+        stage's rank)."""
         m, b, s = self.num_microbatches, self.micro_batch_size, self.seq_length
         tokens = torch.empty((m, b, s), dtype=torch.long, device=self._device())
         iterator = first_chunk_iterator
@@ -138,40 +145,31 @@ class VocabPasses:
                 problem = "the first stage has no data iterator to read the tokens of its microbatches from"
             if self.tp_group.size() > 1:
                 dist.broadcast(tokens, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        self.tokens = self._broadcast(tokens, self.first_rank)
+        src, pp = dist.get_global_rank(self.pp_group, self.first_rank), self.pp_group
+        self.queue.post(lambda: dist.broadcast(tokens, src=src, group=pp, async_op=True), (tokens,)).wait()
+        self.tokens = tokens
         if bool((self.tokens == NO_TOKENS).any()):  # every rank stops here, none waits in a collective
             raise RuntimeError(f"--pipeline-vocab-parallel: {problem or 'the first stage could not read the tokens'}")
-        partial = self.layers.embed(self.tokens.view(m * b, s)).to(self.dtype)
-        if self.tp_group.size() > 1:
-            dist.all_reduce(partial, group=self.tp_group)
-        dist.reduce(partial, dst=dist.get_global_rank(self.pp_group, self.first_rank), group=self.pp_group)
-        if self.rank == self.first_rank:
-            summed = partial.view(m, b, s, -1)
-            self.embeddings = {k: summed[k] for k in range(m)}
-            self.embedding_bytes = partial.nbytes * (1 if self.forward_only else 2)  # and their gradients
+        self.embedding = EmbeddingPasses(self.layers, self.queue, self._slots(), tokens, self.rank == self.first_rank,
+                                         self.first_rank, self.dtype)
+        self.embedding.run_slot(0)
         return iterator
 
+    def _slots(self) -> EmbeddingSlots:
+        if self.first_actions:
+            return embedding_slots(self.first_actions, not self.forward_only)
+        everything = tuple(range(self.num_microbatches))
+        return EmbeddingSlots((everything, ()), ((), () if self.forward_only else everything))
+
     def epilogue(self) -> None:
-        """The embeddings' gradients from the first stage to every rank; each adds its rows' weight gradient."""
-        if self.forward_only:
-            return
-        m, b, s = self.num_microbatches, self.micro_batch_size, self.seq_length
-        hidden = self.layers.hidden_size
-        if self.rank == self.first_rank:
-            missing = [k for k in range(m) if k not in self.embedding_grads]
-            if missing:
-                raise RuntimeError(f"--pipeline-vocab-parallel: no embedding gradient for microbatches {missing}")
-            grads = torch.stack([self.embedding_grads.pop(k) for k in range(m)]).to(self.dtype).contiguous()
-        else:
-            grads = torch.empty((m, b, s, hidden), dtype=self.dtype, device=self._device())
-        self._broadcast(grads, self.first_rank)
-        self.layers.embedding_weight_grad(self.tokens.view(m * b, s), grads.view(m * b, s, hidden))
+        """The embedding's last slot (the gradients whose first-stage B came after the last H), all settled."""
+        self.embedding.finish()
 
     # --- around the first and last stage's passes ---------------------------------------------------
 
     def hand_embedding(self, microbatch: int) -> None:
-        """Before the first stage's F(k): its embedding, as the leaf whose gradient the epilogue needs."""
-        embedded = self.embeddings.pop(microbatch)
+        """Before the first stage's F(k): its embedding, as the leaf whose gradient D(k) needs."""
+        embedded = self.embedding.embedding(microbatch)
         if self.forward_only:
             embedded = embedded.detach()
         leaf = self.layers.embedding_input.set(embedded)
@@ -184,7 +182,7 @@ class VocabPasses:
         if leaf.grad is None:
             raise RuntimeError(f"--pipeline-vocab-parallel: the first stage's backward of microbatch {microbatch} "
                                "left no gradient on its embedding")
-        self.embedding_grads[microbatch] = leaf.grad
+        self.embedding.keep_grad(microbatch, leaf.grad)
 
     def wrap_last_forward(self, forward_step_func, microbatch: int):
         """The script's forward step for the last stage's F(k): keeps its loss function for H(k)."""
@@ -211,6 +209,8 @@ class VocabPasses:
         ``loss(per_token_loss, loss_func)`` runs the script's loss function and, when training, returns
         d(objective)/d(loss). Returns the hidden state's gradient on the last stage's rank (None elsewhere or
         when evaluating)."""
+        self.h_count += 1
+        self.embedding.run_slot(self.h_count)  # the embedding's collectives placed at this H
         holder = self.rank == self.last_rank
         labels = self.labels.pop(microbatch) if holder else None
         loss_func = self.loss_funcs.pop(microbatch) if holder else None
@@ -227,7 +227,8 @@ class VocabPasses:
 
     def check_drained(self) -> None:
         left = {name: sorted(d) for name, d in (("weight gradients", self.h_pass.held), ("labels", self.labels),
-                                                 ("embeddings", self.embeddings), ("loss functions", self.loss_funcs))
+                                                 ("embedding leaves", self.embedding_leaves),
+                                                 ("loss functions", self.loss_funcs))
                 if d}
         if left:
             raise RuntimeError(f"schedule left vocabulary work undone: {left}")

@@ -301,7 +301,7 @@ def _build_pipeline_model(schedule, spec: RunSpec, model_settings: ModelSettings
         _number_one_device_layers(chunks, placement.stages_per_device[0], chunk_settings.num_layers)
     chunks = [chunk.to(_device(), torch_dtype(model_settings.dtype)) for chunk in chunks]
     if spec.vocab_parallel:
-        from megatron_vshape.megatron.vocab_layers import install_vocab_parallel
+        from megatron_vshape.megatron.vocab_surgery import install_vocab_parallel
 
         layers = install_vocab_parallel(chunks, placement)
         for param in layers.parameters():  # which rows of the reference's weights and gradients it holds

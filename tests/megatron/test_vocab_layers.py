@@ -175,7 +175,8 @@ def _surgery_report(case, chunks, layers, ref) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_vshape.megatron.vocab_layers import EMBEDDING_KEY, LAYERS_NAME, OUTPUT_KEY, EmbeddingInput
+    from megatron_vshape.megatron.vocab_hooks import EmbeddingInput
+    from megatron_vshape.megatron.vocab_layers import EMBEDDING_KEY, LAYERS_NAME, OUTPUT_KEY
 
     rows = slice(layers.shard.start, layers.shard.end)
     want_out = ref["weights"]["embedding.word_embeddings.weight" if case.tied else "output_layer.weight"]
@@ -491,7 +492,7 @@ def _vocab_chunks(placement, tied: bool, seed: int, freed: list | None = None):
 
     import torch
 
-    from megatron_vshape.megatron.vocab_layers import install_vocab_parallel
+    from megatron_vshape.megatron.vocab_surgery import install_vocab_parallel
     from megatron_vshape.runtime.vocab_iteration import vocab_layers_of
 
     chunks = _plain_chunks(placement, tied, seed)

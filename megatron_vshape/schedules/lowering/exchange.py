@@ -60,10 +60,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..core.actions import VocabKind
+from ..core.actions import Kind, VocabKind
 from ..core.schedule import Costs, vocab_pass_times
 from .drive import drive
 from .messages import CommError, DevicePlan, Message, with_arrivals
+from .vocab_embedding import embedding_slots
 
 PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
 PIPELINE_GROUP = "pipeline"  # the whole pipeline group (ranks lo..hi): the vocabulary passes' collectives
@@ -187,8 +188,19 @@ def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
     batches = _fuse(sequences)
     slack = SEND_SLACK_PER_RANK * len(plans)
     holder = _last_stage_rank(plans)
-    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits, len(plans), holder)
+    first = _first_stage_rank(plans)
+    training = any(step.action.kind is VocabKind.G for step in plans[first].steps)
+    slots = embedding_slots([step.action for step in plans[first].steps], training)
+    return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits, len(plans), holder,
+                       _EmbeddingOps(rank == first, slots, len(plans)))
                  for rank in range(len(plans)))
+
+
+def _first_stage_rank(plans) -> int:
+    """The rank holding stage 0 (the embedding's: its lookups' destination, its gradients' root)."""
+    stages = [(step.action.stage, rank) for rank, plan in enumerate(plans) for step in plan.steps
+              if not isinstance(step.action.kind, VocabKind)]
+    return min(stages)[1] if stages else 0
 
 
 def _last_stage_rank(plans) -> int:
@@ -311,7 +323,7 @@ def _fuse(sequences) -> dict[_Event, int]:
 
 
 def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_waits: bool = False,
-          num_ranks: int = 1, holder: int = 0) -> tuple[Op, ...]:
+          num_ranks: int = 1, holder: int = 0, embedding: _EmbeddingOps | None = None) -> tuple[Op, ...]:
     """This rank's operations: each batch POSTed at its place in G; its WAIT as late as allowed.
 
     A batch that receives is waited for right before the first pass that consumes one of its
@@ -330,6 +342,9 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
     passes = 0
     training = any(step.action.kind is VocabKind.G for step in plan.steps)
     waited_in_g: dict[int, tuple[int, ...]] = {}  # microbatch -> H's collectives its G waits for
+    vocab = any(step.action.kind is VocabKind.H for step in plan.steps)
+    if vocab:
+        embedding.slot(ops)  # slot 0: in the runtime's prologue, before any of this program's operations
 
     def close():
         if current:
@@ -359,9 +374,12 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
                 wait(sending.pop(0)[1])
             action = plan.steps[event.b].action
             if action.kind is VocabKind.H:
+                embedding.slot(ops)
                 waited_in_g[action.microbatch] = _emit_h(ops, event.b, action.microbatch, rank == holder, training,
                                                          num_ranks)
             else:
+                if vocab and action.kind is Kind.F and action.stage == 0:
+                    ops.append(Op(OpKind.WAIT, index=embedding.lookups.pop(action.microbatch)))
                 for position in waited_in_g.pop(action.microbatch, ()) if action.kind is VocabKind.G else ():
                     ops.append(Op(OpKind.WAIT, index=position))
                 ops.append(Op(OpKind.COMPUTE, index=event.b))
@@ -376,7 +394,37 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
     close()
     for position in list(unwaited):
         wait(position)
+    if vocab:
+        embedding.slot(ops)  # the last slot: in the runtime's epilogue, after the exchange has finished
+        embedding.settle(ops)
     return tuple(ops)
+
+
+class _EmbeddingOps:
+    """The embedding's collectives on one rank (runtime/vocab_embedding.py): at each slot the earlier
+    slots' collectives are waited for (settled), then D(k) and E(k) posted; the first stage's rank waits
+    for E(k) right before its F(0, k) instead."""
+
+    def __init__(self, first: bool, slots, num_ranks: int):
+        self.first, self.slots, self.next = first, slots, 0
+        self.whole = Communicator(PIPELINE_GROUP, 0, num_ranks - 1)
+        self.lookups: dict[int, int] = {}  # first stage: microbatch -> its E's position
+        self.unsettled: list[int] = []
+
+    def settle(self, ops: list[Op]) -> None:
+        ops.extend(Op(OpKind.WAIT, index=position) for position in self.unsettled)
+        self.unsettled.clear()
+
+    def slot(self, ops: list[Op]) -> None:
+        slot, self.next = self.next, self.next + 1
+        self.settle(ops)
+        for what, microbatches in (("D", self.slots.grads[slot]), ("E", self.slots.lookups[slot])):
+            for k in microbatches:
+                ops.append(Op(OpKind.COLLECTIVE, self.whole, queue=VOCAB_QUEUE, label=f"{what}{k} embedding"))
+                if self.first and what == "E":
+                    self.lookups[k] = len(ops) - 1
+                else:
+                    self.unsettled.append(len(ops) - 1)
 
 
 def _emit_h(ops: list[Op], step: int, microbatch: int, holder: bool, training: bool, num_ranks: int) -> tuple[int, ...]:

@@ -269,11 +269,9 @@ def check_program(train: Program, evaluate: Program, single_queue: Sequence[bool
 
 
 def vocab_call_segment(num_ranks: int) -> tuple[Op, ...]:
-    """The collectives the runtime issues around one call's exchange program with vocabulary passes, as one
-    collective on the vocabulary queue, waited at once: the prologue's (tokens to every rank, the
-    embeddings to the first stage; runtime/vocab_iteration.py) before the program, and in a training call
-    the epilogue's (the embeddings' gradients) after it. A segment of its own (a WAIT names a POST by its
-    position within a segment)."""
+    """The collective the runtime issues before one call's exchange program with vocabulary passes, on the
+    vocabulary queue, waited at once: the prologue's tokens broadcast (runtime/vocab_iteration.py). A
+    segment of its own (a WAIT names a POST by its position within a segment)."""
     whole = Communicator(PIPELINE_GROUP, 0, num_ranks - 1)
     return (Op(OpKind.COLLECTIVE, whole, queue=VOCAB_QUEUE, label="call"), Op(OpKind.WAIT, index=0))
 
@@ -290,7 +288,9 @@ def _check_calls(train, evaluate, single_queue: Sequence[bool]) -> None:
     d = len(train)
     vocab = any(step.action.kind is VocabKind.H for rank in train for step in rank.steps)
     calls = vocab_call_segment(d) if vocab else ()
-    programs = [(warmup_program(r, d), calls, t.exchange, calls, calls, e.exchange)
+    # The prologue's tokens broadcast before each call; the embedding's collectives, the epilogue's included,
+    # are in the call's own program (exchange.py, _EmbeddingOps).
+    programs = [(warmup_program(r, d), calls, t.exchange, calls, e.exchange)
                 for r, (t, e) in enumerate(zip(train, evaluate))]
     for setting in single_queue:
         run_nccl_model(programs, setting)
