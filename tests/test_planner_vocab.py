@@ -110,18 +110,19 @@ def test_vocab_work_is_the_last_stages_head_spread_over_the_pipeline(llama):
     assert g == pytest.approx(head[2] / p, rel=1e-9)
 
 
-def test_collectives_are_two_messages_where_every_hop_crosses_nodes_and_carried_in_h_where_they_cost_more(llama):
-    """The simulator charges H 2 messages (``2 comm``). Llama-3 8B at DP 8 PP 8: every pipeline hop crosses
-    nodes, the broadcast and the reduction cost a message each, and the statistics' gather and a third
-    latency are 2 % more. At DP 2 the ring crosses the network while 6 of 7 hops are NVLink: the collectives
-    cost several mean messages, and H carries them (also under Megatron's blocking p2p, whose timed costs
-    have no message time)."""
+def test_collectives_are_three_messages_where_every_hop_crosses_nodes_and_carried_in_h_where_they_cost_more(llama):
+    """The simulator charges H 2 messages (``2 comm``). What the last stage's rank waits for in H
+    (runtime/vocab_h.py): the hidden state's broadcast (a bf16 message, the labels with it) and the fp32
+    hidden gradient's reduce (two messages' bytes), the statistics' gather and a latency each. Llama-3 8B
+    at DP 8 PP 8: every pipeline hop crosses nodes, so that is 3 messages and 1 % more. At DP 2 the ring
+    crosses the network while 6 of 7 hops are NVLink: the collectives cost many mean messages, and H
+    carries them (also under Megatron's blocking p2p, whose timed costs have no message time)."""
     model, cost_model, flash = llama
     wide = LLAMA_LAYOUT
-    assert 2 * cost_model._p2p(model, wide) < cost_model.vocab_collectives(model, wide) \
-        < 1.02 * 2 * cost_model._p2p(model, wide)
+    assert 3 * cost_model._p2p(model, wide) < cost_model.vocab_collectives(model, wide) \
+        < 1.02 * 3 * cost_model._p2p(model, wide)
     one_node = ParallelLayout(1, 1, 8, 1, 128)
-    assert cost_model.vocab_collectives(model, one_node) == pytest.approx(2 * cost_model._p2p(model, one_node), rel=0.05)
+    assert cost_model.vocab_collectives(model, one_node) == pytest.approx(3 * cost_model._p2p(model, one_node), rel=0.05)
     two_nodes = ParallelLayout(2, 1, 8, 1, 128)
     collectives = cost_model.vocab_collectives(model, two_nodes)
     assert collectives > 3 * cost_model._p2p(model, two_nodes)
@@ -139,19 +140,18 @@ def test_collectives_are_two_messages_where_every_hop_crosses_nodes_and_carried_
 # ---- the predicted MFU with and without the flag ----------------------------------------------------------
 # (schedule: MFU without the flag on the search's layout, on the uniform layout, with the flag); the planner's
 # numbers on this branch, pinned to half a point so that a change to the cost model shows here.
-LLAMA_MFU = {"1f1b": (0.3487, 0.2981, 0.3254), "zb-1p": (0.3967, 0.3429, 0.3763), "v-min": (0.2848, 0.2642, 0.2868),
-             "v-half": (0.3571, 0.3319, 0.3630), "v-zb": (0.4119, 0.3664, 0.4326)}
+LLAMA_MFU = {"1f1b": (0.3487, 0.2981, 0.3080), "zb-1p": (0.3967, 0.3429, 0.3595), "v-min": (0.2848, 0.2642, 0.2774),
+             "v-half": (0.3571, 0.3352, 0.3471), "v-zb": (0.4119, 0.3664, 0.4082)}
 
 
 @pytest.mark.usefixtures("recipe")
 def test_llama3_8b_at_pp8_with_and_without_the_flag(llama):
     """Llama-3 8B, PP 8, DP 8 on 64 H100s, 16 microbatches of 1. With the flag every stage holds two (1F1B:
     four) layers and the peak memory drops on every schedule; on the V schedules the flag beats the uniform
-    layout without it (whose last stage carries the whole head), and V-ZB's beats its balanced layout (43.3 %
-    against 41.2 %; `vshape plan` prints the flag first). 1F1B and ZB-1P do not beat theirs: on their
-    placement the head sits alone on the last device, which the balanced layout evens out by giving it fewer
-    layers, while every H adds its collectives across the inter-node network (about 2 x 1.9 ms) to every
-    rank."""
+    layout without it (whose last stage carries the whole head). No schedule's flag beats its balanced layout
+    once everything that runs is costed (issue 42): H's fp32 hidden-gradient reduce across the inter-node
+    network, the call's prologue and epilogue, and the data-parallel reduction, which starts only after the
+    epilogue and so overlaps no backward (V-ZB: 40.8 % against 41.2 %; the earlier model said 43.3 %)."""
     model, cost_model, flash = llama
     assert set(LLAMA_MFU) == set(RECIPE_SCHEDULES)  # every schedule the recipe's plan prints
     for name, (search_mfu, uniform_mfu, flag_mfu) in LLAMA_MFU.items():
@@ -166,7 +166,7 @@ def test_llama3_8b_at_pp8_with_and_without_the_flag(llama):
         if name.startswith("v-"):
             assert with_flag.mfu > uniform.mfu, name
     assert predict("v-zb", LLAMA_LAYOUT, model, cost_model, flash, vocab_parallel=True).mfu \
-        > predict("v-zb", LLAMA_LAYOUT, model, cost_model, flash).mfu + 0.015
+        < predict("v-zb", LLAMA_LAYOUT, model, cost_model, flash).mfu
 
 
 @pytest.mark.usefixtures("recipe")
@@ -189,7 +189,7 @@ def test_v_zb_bubble_with_the_flag_against_uniform_stages_for_llama3_8b(llama):
     assert flag.bubble_rate <= uniform.bubble_rate + 0.02
 
 
-VOCAB_256K_MFU = {"1f1b": (0.5275, 0.6486), "v-half": (0.5342, 0.6541), "v-zb": (0.5359, 0.7024)}
+VOCAB_256K_MFU = {"1f1b": (0.5275, 0.6475), "v-half": (0.5342, 0.6529), "v-zb": (0.5359, 0.7010)}
 
 
 def test_a_256k_vocabulary_on_8_gpus_with_and_without_the_flag(vocab_256k):

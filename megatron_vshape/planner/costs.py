@@ -171,23 +171,26 @@ class CostModel:
         return self._within_node(layout.tp * layout.cp * layout.dp * layout.pp) * self.bandwidth_efficiency
 
     def vocab_collectives(self, model: GPTModel, layout: ParallelLayout) -> float:
-        """Seconds of the pipeline group's collectives in one vocabulary-parallel H pass (every rank takes
-        part; the runtime's S and T passes, planner/vocab.py):
+        """Seconds of the pipeline group's collectives on the critical path of one vocabulary-parallel H pass
+        (runtime/vocab_h.py; the table in docs/vocab_parallel.md), in issue order on the last stage's rank:
 
-        * the final hidden state, broadcast from the last stage to the p ranks, and its gradient, reduced
-          back (summed over the shards): each one p2p message's bytes (one TP rank's sequence-parallel
-          part, b s h / (TP CP) in bf16); a ring broadcast or reduce sends the bytes in pipelined chunks,
-          about bytes / bandwidth;
+        * the final hidden state (bf16, every token: under sequence parallelism the last stage gathers it)
+          and the labels (int64), one broadcast from the last stage; a ring broadcast sends the bytes in
+          pipelined chunks, about bytes / bandwidth;
         * the softmax statistics (max, sum of exponentials, target logit: three fp32 per token), gathered
-          from the p - 1 other ranks;
-        * a launch latency each.
+          from the p - 1 other ranks (the rendezvous);
+        * the hidden gradient per unit loss gradient (fp32, every token), reduced onto the last stage,
+          which waits for it before its B (the other ranks do not);
+        * a launch latency each. The loss gradient's broadcast (4 bytes a token) is waited for only in G
+          and is left out, as is the TP all-reduce of the gradient among the last stage's TP ranks.
         """
         if layout.pp <= 1:
             return 0.0
         tokens = layout.micro_batch * model.seq_length / layout.cp
-        message = 2.0 * tokens * model.hidden / layout.tp
+        hidden = 2.0 * tokens * model.hidden + 8.0 * tokens
         statistics = 3 * 4.0 * tokens * (layout.pp - 1)
-        return 3 * P2P_LATENCY + (2 * message + statistics) / self.pipeline_group_bandwidth(layout)
+        gradient = 4.0 * tokens * model.hidden
+        return 3 * P2P_LATENCY + (hidden + statistics + gradient) / self.pipeline_group_bandwidth(layout)
 
     def params_per_gpu(self, model: GPTModel, layout: ParallelLayout) -> float:
         return model.total_params / (layout.tp * layout.pp)

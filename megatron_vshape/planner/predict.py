@@ -28,7 +28,7 @@ from .memory import RESERVED_BYTES, MemoryEstimate, activation_model, activation
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
 from .simcache import run_pipeline
-from .vocab import label, vocab_work
+from .vocab import label, vocab_call_bytes, vocab_call_seconds, vocab_work
 
 RECOMPUTE_SUFFIX = "-r"  # "1f1b-r": a schedule with full activation recomputation
 
@@ -161,8 +161,13 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
                        staged_order=uneven)
     # Gradients are final once a device's last backward work runs: B + W fused, W when split.
     window = 2 * (costs.w if not fuses_backward(base) else costs.b + costs.w)
+    outside = 0.0
+    sample = run.sample.schedule
+    first_actions = sample.programs[sample.placement.device_of(0)]
+    if vocab_parallel:  # what runs outside the passes (planner/vocab.py): the reductions wait for it
+        outside, window = vocab_call_seconds(model, layout, cost_model, first_actions), 0.0
     dp = cost_model.dp_exposed(model, layout, times, window)
-    iteration = run.makespan + dp + times.optimizer
+    iteration = run.makespan + outside + dp + times.optimizer
     # The paper's bubble: 1 - compute / time, compute = m x (F + B + W) of one device (two V
     # chunks' worth of layer slots); waits for messages, exposed or not, count as bubble.
     if layers is None:
@@ -175,6 +180,10 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
     placement = run.sample.schedule.placement
     static = static_bytes(model, layout, placement.stages_per_device, stages, cost_model.distributed_optimizer,
                           layers, vocab_parallel)
+    if vocab_parallel:  # the first stage's device holds the call's embeddings and their gradients
+        first = next(d for d, held in enumerate(placement.stages_per_device) if 0 in held)
+        held = vocab_call_bytes(model, layout, first_actions)
+        static = tuple(x + (held if d == first else 0.0) for d, x in enumerate(static))
     acts = activation_model(model, layout, stages, flash_attention, mode, layers, vocab_parallel)
     peaks = activation_peaks(run.sample, acts)
     if run.earlier is not None:

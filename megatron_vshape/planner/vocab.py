@@ -11,11 +11,16 @@ GEMM, its input gradient and its weight gradient, in layers' worth, times one la
 same work that sits on the last stage without the flag, so the two rows cost the same head and differ
 only in where it runs. The simulator times one shard's H as ``(F f + B b) / p + 2 comm``
 (:meth:`VocabWork.shard_times`): two message-sized collectives. The planner's collectives
-(:meth:`.costs.CostModel.vocab_collectives`: the hidden state's broadcast, its gradient's reduction,
-the statistics' gather, over the pipeline group's ring) can cost more than two of the simulator's
-messages: where the ring crosses the inter-node network and most neighbouring stages do not, and under
-Megatron's blocking p2p (:mod:`.exposed_p2p`), whose timed costs carry no message latency. The
-difference is added to ``f``, so that H lasts what the planner's collectives and compute take.
+(:meth:`.costs.CostModel.vocab_collectives`: what the last stage's rank waits for in H, the packed
+hidden state's broadcast, the statistics' all-gather and the fp32 hidden gradient's reduce, over the
+pipeline group's ring) cost more than two of the simulator's messages; the difference is added to
+``f``, so that H lasts what the planner's collectives and compute take.
+
+Outside the passes (:func:`vocab_call_seconds`, added to the iteration by ``predict``): the call's
+prologue (the tokens, the first embedding) and epilogue (the last gradients), with every rank waiting;
+the data-parallel gradient reduction starts only after the epilogue, so none of it overlaps the
+backward. Memory: the first stage's device holds a few microbatches' embeddings and gradients
+(:func:`vocab_call_bytes`).
 
 Memory. ``VocabWork.memory`` is what one microbatch holds from H to G over the whole vocabulary (p
 shards' logit gradients and hidden-state copies: :func:`.memory.vocab_activation_bytes`), in units of one
@@ -26,9 +31,10 @@ memory estimate uses.
 from __future__ import annotations
 
 from ..schedules.core.schedule import Costs, VocabWork
+from ..schedules.lowering.vocab_embedding import embedding_slots, held_peak
 from ..vocab_shards import shard_sizes
 from .balance import StageExtras
-from .costs import CostModel, PassTimes
+from .costs import P2P_LATENCY, CostModel, PassTimes
 from .memory import vocab_activation_bytes
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
@@ -60,6 +66,31 @@ def vocab_work(model: GPTModel, layout: ParallelLayout, cost_model: CostModel, t
                                                                     flash_attention)
     held, _ = vocab_activation_bytes(model, layout)
     return VocabWork(f / costs.f, b / costs.b, w / costs.w, layout.pp * held / chunk)
+
+
+def vocab_call_seconds(model: GPTModel, layout: ParallelLayout, cost_model: CostModel, first_actions) -> float:
+    """Seconds of the vocabulary work outside the passes, with every rank waiting (``first_actions``: the
+    program of the device that holds stage 0, which places the embedding's collectives:
+    schedules/lowering/vocab_embedding.py): the prologue's tokens broadcast and the first microbatch's
+    embedding (its lookup and reduce; the others' arrive while passes run), and the epilogue's gradients (the
+    microbatches whose first-stage B came after the last H: broadcast, then each rank adds its rows into
+    fp32 ``main_grad``). The lookups and gradients placed at the H passes run on the vocabulary queue beside
+    the passes and are not charged."""
+    slots = embedding_slots(first_actions, training=True)
+    tokens = layout.micro_batch * model.seq_length / layout.cp
+    embeddings = 1 + len(slots.grads[-1])
+    moved = 8.0 * tokens * layout.num_microbatches + embeddings * 2.0 * tokens * model.hidden
+    seconds = 0.0 if layout.pp <= 1 else (2 + embeddings) * P2P_LATENCY + moved / cost_model.pipeline_group_bandwidth(layout)
+    rows = embeddings * (2.0 + 2.0 + 4.0 + 4.0) * tokens * model.hidden  # lookup; gradient read; main_grad r + w
+    return seconds + cost_model._streaming(rows)
+
+
+def vocab_call_bytes(model: GPTModel, layout: ParallelLayout, first_actions) -> float:
+    """Bytes the first stage's device holds for the embedding at its peak: the embeddings between their
+    lookup's slot and their F, the gradients between their B and their slot (bf16, b x s x h each; a
+    number the schedule bounds, not m: :func:`~..schedules.lowering.vocab_embedding.held_peak`)."""
+    tokens = layout.micro_batch * model.seq_length / layout.cp
+    return held_peak(first_actions, training=True) * 2.0 * tokens * model.hidden
 
 
 def label(schedule: str, vocab_parallel: bool) -> str:
