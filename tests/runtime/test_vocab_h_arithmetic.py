@@ -73,3 +73,28 @@ def test_no_step_reads_a_tensor_back_to_the_host(monkeypatch):
     vp.combine_statistics(state, state.stats.unsqueeze(0))
     vp.unit_hidden_grad(state, part)
     vp.logits_grad(state, grad_loss, torch.float32)
+
+
+def test_in_bf16_the_shards_parts_sum_in_fp32_and_round_once():
+    """bf16 weights, 4096 tokens, four shards: the parts per unit loss gradient (each an fp32 GEMM of bf16
+    inputs) summed in fp32, as the reduce sums them, and cast once equal the exact sum rounded once in
+    (nearly) every element; summed in bf16 they do not (as test_vocab_numerics shows for the blocking form)."""
+    tokens, hidden, vocab, shards = 4096, 16, 1024, 4
+    gen = torch.Generator().manual_seed(11)
+    exp = torch.rand(tokens, vocab, generator=gen).to(torch.bfloat16)  # exp(logit - local max), bf16-exact
+    weight = torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16)
+    rows = vocab // shards
+    parts = []
+    for s in range(shards):
+        part = slice(s * rows, (s + 1) * rows)
+        state = vp.OutputState(hidden=torch.zeros(tokens, hidden, dtype=torch.bfloat16),
+                               probs=exp[:, part].float().contiguous(),
+                               target_local=torch.full((tokens,), -1, dtype=torch.long),
+                               scale=torch.ones(tokens))
+        parts.append(vp.unit_hidden_grad(state, vp.unit_grad_parts(state, weight[part].contiguous())))
+    assert all(p.dtype == torch.float32 for p in parts)
+    want = (exp.double() @ weight.double()).to(torch.bfloat16)
+    summed = sum(parts).to(torch.bfloat16)
+    assert float((summed == want).float().mean()) >= 0.999
+    in_bf16 = sum(p.to(torch.bfloat16) for p in parts)
+    assert float((in_bf16 == want).float().mean()) < 0.9
