@@ -73,6 +73,7 @@ def with_pairs(schedule: Schedule, costs: Costs, memory: MemoryModel, caps: list
 
 
 def _list_schedule(schedule: Schedule, costs: Costs, memory: MemoryModel, caps: list[float]):
+    """(programs, pairs): ``schedule``'s order re-timed as a list schedule that pairs ready passes (module text)."""
     placement, m = schedule.placement, schedule.num_microbatches
     ids = PassIds(schedule.num_stages, m)
     durations = pass_durations(schedule, costs)
@@ -90,6 +91,7 @@ def _list_schedule(schedule: Schedule, costs: Costs, memory: MemoryModel, caps: 
     def head(device: int) -> int:
         queue, h = queues[device], heads[device]
         while h < len(queue) and queue[h] in taken[device]:
+            taken[device].discard(queue[h])  # its old place is passed: only pulled passes ahead stay in the set
             h += 1
         heads[device] = h
         return h
