@@ -140,3 +140,62 @@ def test_a_shared_proxy_ranking_builds_what_a_fresh_one_builds():
     for (name, d, m), programs in zip(cells, shared):
         zero_bubble._PROXY_RANKS.clear()
         assert get_schedule(name, d, m, costs).programs == programs
+
+
+def test_kept_slot_reorders_are_the_reorders_of_a_fresh_run():
+    """The slot reorder's programs are kept per (block, size, cool-down start, memory model) and shared by every
+    build with other costs; each equals the reorder run afresh, and a build under other costs reuses them."""
+    from megatron_vshape.schedules.generators import slot_reorder
+    from megatron_vshape.schedules.generators.slot_reorder import cooldown_starts, slot_schedule
+
+    for d, m in ((4, 9), (6, 12), (9, 40)):
+        block = v_min_block(d)
+        kept = {start: slot_schedule(block, m, "v-min", 99.0, cooldown_after=start) for start in cooldown_starts(block, m)}
+        for start, schedule in kept.items():
+            slot_reorder._REORDERED.clear()
+            assert slot_schedule(block, m, "v-min", 99.0, cooldown_after=start).programs == schedule.programs
+    slot_reorder._REORDERED.clear()
+    first = get_schedule("v-half", 6, 12, Costs(1, 1.1, 0.9, 0.05))
+    kept_count = len(slot_reorder._REORDERED)
+    again = get_schedule("v-half", 6, 12, Costs(1, 1.3, 0.7, 0.2))
+    assert kept_count and len(slot_reorder._REORDERED) == kept_count  # the second build reordered nothing anew
+    assert {a for program in first.programs for a in program} == {a for program in again.programs for a in program}
+
+
+def test_an_over_budget_replay_that_stops_early_rejects_what_a_full_one_rejects():
+    """The lazy slot memory stops a replay at the first level over its budget (the move is rejected either way);
+    the reorders with the full replay are the same."""
+    from megatron_vshape.schedules.generators import slot_memory, slot_reorder
+    from megatron_vshape.schedules.generators.slot_reorder import cooldown_starts, slot_schedule
+
+    full = slot_memory.LazyMemory._replay
+    for d, m in ((5, 10), (8, 16), (12, 12)):
+        for block in (v_min_block(d), v_half_block(d)):
+            for start in cooldown_starts(block, m):
+                slot_reorder._REORDERED.clear()
+                fast = slot_schedule(block, m, "x", 99.0, cooldown_after=start).programs
+                slot_memory.LazyMemory._replay = lambda self, start_slot, stop_above=None: full(self, start_slot)
+                try:
+                    slot_reorder._REORDERED.clear()
+                    plain = slot_schedule(block, m, "x", 99.0, cooldown_after=start).programs
+                finally:
+                    slot_memory.LazyMemory._replay = full
+                assert fast == plain
+
+
+@pytest.mark.parametrize("name", ["1f1b", "v-half", "v-zb"])
+def test_trials_timed_from_the_earliest_meeting_place_as_from_the_last_h(monkeypatch, name):
+    """Each rendezvous's trials are timed from where its earliest meeting breaks every device (the passes before
+    end by then in every trial); timed from the last H's prefix, as before, the placement is the same."""
+    rng = random.Random(7)
+    for d, m in ((4, 9), (6, 12)):
+        stages = _stage_mix(rng, SCHEDULES[name].num_stages(d))
+        for costs in (Costs(1, 1.1, 0.9, 0.05, (), VocabWork(0.9, 0.9, 0.9, 0.5)),
+                      Costs(1, 1.4, 0.8, 0.2, stages, VocabWork(2.5, 2.0, 1.5, 1.0))):
+            layers = get_schedule(name, d, m, costs.without_vocab())
+            gaps = SCHEDULES[name].vocab_g_in_gaps
+            fast = vocab_passes.with_vocab_passes(layers, costs, gaps)
+            monkeypatch.setattr(vocab_passes, "_prefix_before", lambda programs, times, prefix, cursor: prefix)
+            plain = vocab_passes.with_vocab_passes(layers, costs, gaps)
+            monkeypatch.undo()
+            assert fast.programs == plain.programs

@@ -227,3 +227,17 @@ def test_results_md_keeps_the_benchmark_section_and_orderings_are_pairwise(tmp_p
     assert set(pairs) == {"a vs b", "a vs c", "b vs c"}  # the implied pair a vs c too
     assert not pairs["a vs b"]["matches"] and pairs["b vs c"]["matches"]
     assert pairs["a vs c"]["paper_higher"] == "c" and pairs["a vs c"]["predicted_higher"] == "a"
+
+
+def test_a_saturated_peak_is_not_extrapolated_and_a_growing_one_is():
+    """Memory goes through the size extrapolation only where the simulated peak grows between the two points
+    (GPipe); 1F1B's has saturated, so a per-device difference between the points (another order at one of
+    them) is not extended to the run's size."""
+    from megatron_vshape.planner.simcache import run_pipeline
+    from megatron_vshape.schedules.core.schedule import Costs
+
+    costs = Costs(1.0, 1.1, 0.9, 0.05)
+    growing, saturated = run_pipeline("gpipe", 4, 64, costs), run_pipeline("1f1b", 4, 64, costs)
+    assert growing.extrapolated and saturated.extrapolated
+    assert growing.extend(2.0, 1.0) > 2.0
+    assert saturated.extend(2.0, 1.0) == 2.0

@@ -42,8 +42,14 @@ class PipelineRun:
         """Extrapolate a quantity measured on both points linearly to ``num_microbatches`` (never down).
 
         Peak memory saturates for most schedules but grows with the count for GPipe, so memory
-        goes through here too."""
+        goes through here too: linearly only where the simulated peak grows between the two points
+        (GPipe); where it has saturated, the later point's. (A per-device difference between two
+        saturated points is not growth: at the 1024-GPU GPT-3 plan's V-ZB, PP 32, the two points are
+        different orders, the uniform-built one at m = 92, with the same worst device, 25.5 GiB, and a
+        per-device line through them said 36.5 GiB at m = 192.)"""
         if self.earlier is None or at_sample <= at_earlier:
+            return at_sample
+        if self.sample.peak_memory_max <= self.earlier.peak_memory_max + 1e-9:
             return at_sample
         m1, m2 = self.earlier.schedule.num_microbatches, self.sample.schedule.num_microbatches
         return at_sample + (at_sample - at_earlier) / (m2 - m1) * (self.num_microbatches - m2)

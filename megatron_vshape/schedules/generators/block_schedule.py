@@ -49,11 +49,24 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
     candidates = [c for c in candidates if c is not None]  # lazy W needs more than the block's own W slots
     if not large or not candidates:  # the idle filling takes minutes at d = 64, m = 512
         candidates.append(_idle_filled(block, num_microbatches, costs, name))
+    candidates = _distinct(candidates)
     if len(candidates) == 1:
         return candidates[0]
     results = [simulate(c, costs) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (round(results[i].bubble_rate, 9), results[i].peak_memory_max, i))
     return candidates[best]
+
+
+def _distinct(candidates: list[Schedule]) -> list[Schedule]:
+    """The candidates without repeats of an earlier one's programs (the cool-down starts often reorder alike):
+    a repeat simulates alike and, later in the list, never wins a tie."""
+    seen: set = set()
+    out = []
+    for candidate in candidates:
+        if candidate.programs not in seen:
+            seen.add(candidate.programs)
+            out.append(candidate)
+    return out
 
 
 def _weighted_from_block(block: BuildingBlock, num_microbatches: int, costs: Costs, name: str) -> Schedule:
@@ -68,9 +81,11 @@ def _weighted_from_block(block: BuildingBlock, num_microbatches: int, costs: Cos
         candidates.append(_idle_filled(block, num_microbatches, costs, name))
     else:
         candidates = [slot_schedule(block, num_microbatches, name, math.inf)]
-    candidates.append(block.repeat(num_microbatches, name))
+    fallback = block.repeat(num_microbatches, name)
+    candidates = _distinct([c for c in candidates if c is not None] + [fallback])
     results = [simulate(c, costs) for c in candidates]
-    fitting = [i for i, r in enumerate(results) if r.peak_memory_max <= bound] or [len(candidates) - 1]
+    fitting = [i for i, r in enumerate(results) if r.peak_memory_max <= bound] or \
+        [next(i for i, c in enumerate(candidates) if c.programs == fallback.programs)]
     # At equal bubble and worst peak, the lower memory on the other devices: with several cool-down starts
     # competing, one can raise another device's peak for nothing (V-Half d=2 m=4 on layers 1,3,2,2: device 0
     # 1.5 units instead of 1.25 at the same makespan).

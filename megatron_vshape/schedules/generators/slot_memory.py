@@ -66,14 +66,17 @@ class LazyMemory:
         self.level: list[float] = [0.0] * len(row)
         self.pending: list[int] = [0] * len(row)
         self.exact_below = 0  # level/pending are exact for the slots below this one
+        self.stopped_at = 0  # where the last replay stopped (the row's length: it ran to the end)
         self._replay(0)
         self.upper = list(self.level)
 
     def peak(self) -> float:
         return max(self.level, default=0.0)
 
-    def _replay(self, start: int) -> float:
-        """Recompute level/pending from ``start`` on; return the highest level from there."""
+    def _replay(self, start: int, stop_above: float = float("inf")) -> float:
+        """Recompute level/pending from ``start`` on; return the highest level from there. With ``stop_above``:
+        stop at the first level above it (and return it); the slots after it are then left as they were and
+        ``exact_below`` is not raised (the caller of a rejected move lowers it to the move's slot)."""
         row, level_out, pending_out = self.row, self.level, self.pending
         f, b, w = self.deltas
         level = level_out[start - 1] if start else 0.0
@@ -96,7 +99,10 @@ class LazyMemory:
                     peak = level
             level_out[s] = level
             pending_out[s] = pending
-        self.exact_below = len(row)
+            if peak > stop_above:
+                self.stopped_at = s
+                return peak
+        self.exact_below = self.stopped_at = len(row)
         return peak
 
     def accept(self, action: Action, target: int, current: int) -> bool:
@@ -109,8 +115,11 @@ class LazyMemory:
             self.exact_below = min(self.exact_below, target)
             return True
         start = min(self.exact_below, target)
-        if self._replay(start) <= self.budget:
+        # A rejection needs only the first level over the budget: it is at or after ``target`` (the levels
+        # before it hold an accepted order, within the budget), so the replay stops there.
+        if self._replay(start, self.budget) <= self.budget:
             upper[start:] = self.level[start:]
             return True
-        self.exact_below = target  # the replay saw the move; slots below it are still right
+        # The replay saw the move; slots below it (and below where the replay stopped) are still right.
+        self.exact_below = min(target, self.stopped_at)
         return False
