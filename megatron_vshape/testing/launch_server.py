@@ -152,9 +152,10 @@ class _Server:
 
 class LaunchServers:
     """The launch servers of this process, one per (interpreter, script directory, working directory,
-    environment), started on first use; at most ``keep`` stay alive (each holds torch and Megatron)."""
+    environment), started on first use; at most ``keep`` stay alive (each holds torch and Megatron, about
+    400 MB; the tests alternate between a few scripts: Megatron-LM's two, ours, a checkout of main)."""
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 4):
         self.keep = keep
         self._servers: OrderedDict[tuple, _Server] = OrderedDict()
         atexit.register(self.close)
