@@ -157,10 +157,12 @@ TP2 = [*(f for f in DP_OVERLAP if not f.startswith("--use-distributed") and not 
        "--tensor-model-parallel-size", "2", "--vocab-size", "1024"]
 
 
+@pytest.mark.extended  # the default tier holds this through the feature matrix's rows with the flag at TP 2
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_the_flag_at_tp_2_through_the_script(mc19_python, client_script):
     """TP 2 x PP 2: megatron-core 0.19's validation sets --tensor-parallel-num-weight-shards to the TP size,
-    which the flag's check once took for weight sharding (every rank stopped at model construction)."""
+    which the flag's check once took for weight sharding (every rank stopped at model construction). The
+    default tier's matrix rows with the flag at TP 2 (HybridModel) stopped the same way."""
     own = _train_dp2(mc19_python, client_script, "1f1b", flags=TP2)
     got = _train_dp2(mc19_python, client_script, "v-zb", FLAG, flags=TP2)
     for i in (1, 2, 3, 4):
