@@ -181,21 +181,3 @@ def test_an_over_budget_replay_that_stops_early_rejects_what_a_full_one_rejects(
                 finally:
                     slot_memory.LazyMemory._replay = full
                 assert fast == plain
-
-
-@pytest.mark.parametrize("name", ["1f1b", "v-half", "v-zb"])
-def test_trials_timed_from_the_earliest_meeting_place_as_from_the_last_h(monkeypatch, name):
-    """Each rendezvous's trials are timed from where its earliest meeting breaks every device (the passes before
-    end by then in every trial); timed from the last H's prefix, as before, the placement is the same."""
-    rng = random.Random(7)
-    for d, m in ((4, 9), (6, 12)):
-        stages = _stage_mix(rng, SCHEDULES[name].num_stages(d))
-        for costs in (Costs(1, 1.1, 0.9, 0.05, (), VocabWork(0.9, 0.9, 0.9, 0.5)),
-                      Costs(1, 1.4, 0.8, 0.2, stages, VocabWork(2.5, 2.0, 1.5, 1.0))):
-            layers = get_schedule(name, d, m, costs.without_vocab())
-            gaps = SCHEDULES[name].vocab_g_in_gaps
-            fast = vocab_passes.with_vocab_passes(layers, costs, gaps)
-            monkeypatch.setattr(vocab_passes, "_prefix_before", lambda programs, times, prefix, cursor: prefix)
-            plain = vocab_passes.with_vocab_passes(layers, costs, gaps)
-            monkeypatch.undo()
-            assert fast.programs == plain.programs

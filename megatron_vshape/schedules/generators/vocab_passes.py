@@ -105,7 +105,6 @@ class _HPlacer:
         lowest = prefix.cursor if prefix else (0,) * self.num_devices
         after = programs[self.holder].index(forward) + 1  # the last stage's H: right after its F
         out, seen = [], set()
-        common: TimedPrefix | None = None
         for meet in _meeting_times(programs, times, lowest, times.end[forward], self.holder):
             breaks = tuple(after if device == self.holder
                            else _passes_by(program, times.end, lowest[device], times.cursor[device], meet)
@@ -113,11 +112,9 @@ class _HPlacer:
             if breaks in seen:
                 continue  # another meeting time gave the same places: the same trial
             seen.add(breaks)
-            if common is None:  # the first meeting time (t_k) breaks earliest on every device
-                common = _prefix_before(programs, times, prefix, breaks)
             trial = [[*program[:at], self.ids.of(Action(VocabKind.H, device, k)), *program[at:]]
                      for device, (program, at) in enumerate(zip(programs, breaks))]
-            trial_times = self.run(trial, common, n)
+            trial_times = self.run(trial, prefix, n)
             if trial_times.end[trial[self.holder][after]] < 0:
                 continue  # H never meets: a device waits, before its H, on a pass that follows another's H
             pace = (trial_times.end[self.forwards[n + 1]] if n + 1 < len(self.forwards)
@@ -205,24 +202,6 @@ def _passes_by(program: list[int], end: list[float], lowest: int, timed: int, me
     while at < timed and end[program[at]] <= meet + EPS:
         at += 1
     return at
-
-
-def _prefix_before(programs: list[list[int]], times: ProgramTimes, prefix: TimedPrefix | None,
-                   cursor: tuple[int, ...]) -> TimedPrefix | None:
-    """``times`` kept up to ``cursor`` on every device (the places of the rendezvous's earliest meeting, t_k):
-    the passes before them end by t_k and precede the new H in every trial, so every trial times them alike,
-    and each trial is timed from here instead of from ``prefix`` (the rest is forgotten, as in
-    ``_prefix_through``)."""
-    lowest = prefix.cursor if prefix else (0,) * len(programs)
-    if tuple(cursor) == tuple(lowest):
-        return prefix
-    start, end = list(times.start), list(times.end)
-    for device, program in enumerate(programs):
-        for x in program[cursor[device]:times.cursor[device]]:
-            end[x] = UNSET
-    free = tuple(times.end[program[at - 1]] if at > low else (prefix.free[device] if prefix else 0.0)
-                 for device, (program, at, low) in enumerate(zip(programs, cursor, lowest)))
-    return TimedPrefix(tuple(cursor), free, start, end)
 
 
 def _prefix_through(trial: _Trial) -> TimedPrefix:
