@@ -84,6 +84,7 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
                     ran[name].append(list(rows[name][0].last_timeline))
     gathered = {name: _gathered(passes) for name, passes in ran.items()}
     vocab_passes = _pass_means([passes[-1] for passes in gathered[VOCAB]])  # the last timed call
+    h_waits = _h_waits(gathered[VOCAB])
     in_run = {name: _simulate_as_ran(rows[name][0].schedule(world_size, microbatches), by_rank, times[name])
               for name, by_rank in gathered.items()}
     parallel_state.destroy_model_parallel()
@@ -93,7 +94,7 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     planned = _spread_ratio(model, schedule, world_size, microbatches, uniform, costs, extras, spread)
     return {"times": times, "cpu": cpu, "counts": counts, "predicted": predicted, "stage_times": stage_times,
             "vocab_passes": vocab_passes, "in_run": {name: vars(row) for name, row in in_run.items()},
-            "vocab_planned": planned,
+            "vocab_planned": planned, "h_waits": h_waits,
             "vocab_predicted": _spread_pass_times(schedule, world_size, spread),
             "extras": {"embedding": extras.embedding, "head": extras.head}}
 
@@ -111,6 +112,39 @@ class InRunPrediction:
     @property
     def seconds(self) -> float:
         return self.makespan + self.outside
+
+
+def _h_waits(by_rank: list) -> list[dict[str, float]]:
+    """Per rank, mean ms per microbatch over the timed calls: ``in H`` (its H pass, start to end),
+    ``after last`` (from the last rank's arrival at that rendezvous to this rank's end of H: the
+    collectives' own cost, without the skew of the arrivals, which the schedule sets), ``arrival`` (how
+    long before the last rank it arrived) and ``in G`` (its G, which now also waits for the loss gradient).
+    From the pass timeline alone, so the same script measures any version of the executor."""
+    from collections import defaultdict
+
+    from megatron_vshape.schedules.core.actions import VocabKind
+
+    spans = defaultdict(dict)  # (iteration, microbatch) -> rank -> (start, end)
+    g = defaultdict(list)
+    for rank, calls in enumerate(by_rank):
+        for i, passes in enumerate(calls):
+            for action, start, end in passes:
+                if action.kind is VocabKind.H:
+                    spans[i, action.microbatch][rank] = (start, end)
+                elif action.kind is VocabKind.G:
+                    g[rank].append(end - start)
+    out = []
+    for rank in range(len(by_rank)):
+        inside, after, early = [], [], []
+        for ranks in spans.values():
+            last = max(start for start, _ in ranks.values())
+            start, end = ranks[rank]
+            inside.append(end - start)
+            after.append(end - last)
+            early.append(last - start)
+        out.append({"in H": 1e3 * statistics.fmean(inside), "after last": 1e3 * statistics.fmean(after),
+                    "arrival": 1e3 * statistics.fmean(early), "in G": 1e3 * statistics.fmean(g[rank])})
+    return out
 
 
 def _gathered(passes: list) -> list:
@@ -317,7 +351,10 @@ def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, 
     chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
         config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
     if vocab_costs is not None:
-        from megatron_vshape.megatron.vocab_layers import install_vocab_parallel
+        try:
+            from megatron_vshape.megatron.vocab_surgery import install_vocab_parallel
+        except ImportError:  # a checkout before issue 42 (the script measures it side by side)
+            from megatron_vshape.megatron.vocab_layers import install_vocab_parallel
 
         install_vocab_parallel(chunks, placement)
     return func, [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
@@ -421,6 +458,11 @@ def _report(args, result) -> dict:
     measured, want = result["vocab_passes"], result["vocab_predicted"]
     print("  vocab-parallel row, mean ms per pass measured (planned from the calibration): "
           + ", ".join(f"{k} {measured[k] * 1e3:.1f} ({want[k] * 1e3:.1f})" for k in "FBWHG" if k in measured))
+    print("  H waits of the vocab-parallel row, mean ms per microbatch, per pipeline rank (in H; of which from the "
+          "last rank's arrival to the end; before it; and in G):")
+    for rank, row in enumerate(result["h_waits"]):
+        print(f"    rank {rank}: in H {row['in H']:.2f}, after the last arrival {row['after last']:.2f}, "
+              f"arrival {row['arrival']:.2f}, in G {row['in G']:.2f}")
     in_run = result["in_run"]
     print(f"  predicted {VOCAB} ratio: the simulator on the schedules that ran, with the passes' costs measured in "
           "the same iterations (H: from the last rank's arrival), plus each call's time outside its passes")
@@ -432,7 +474,7 @@ def _report(args, result) -> dict:
           f"{median[VOCAB] / median['uniform'] / predicted[VOCAB]:.3f} (medians); passes alone predicted "
           f"{in_run[VOCAB]['makespan'] / in_run['uniform']['makespan']:.3f}; planned from the calibration run "
           f"{result['vocab_planned']:.3f}")
-    return {"config": vars(args), "vocab_pass_s": measured, "vocab_pass_predicted_s": want, "in_run": in_run,
+    return {"config": vars(args), "vocab_pass_s": measured, "h_waits_ms": result["h_waits"], "vocab_pass_predicted_s": want, "in_run": in_run,
             "vocab_planned_ratio": result["vocab_planned"], "layouts": {k: list(v) for k, v in counts.items()}, "times_s": times,
             "median_s": median, "cpu_s": result["cpu"], "median_cpu_s": cpu, "paired_ratio": paired, "predicted_ratio": predicted, "extras": extras,
             "stage_times_s": result["stage_times"]}
