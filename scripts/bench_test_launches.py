@@ -24,13 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_vshape.testing import feature_matrix as fm  # noqa: E402
-from megatron_vshape.testing.launch_server import LaunchServers  # noqa: E402
+from megatron_vshape.testing.launch_server import LaunchServers, cpu_env  # noqa: E402
 from megatron_vshape.testing.spawn import free_port  # noqa: E402
 
 
 def _env(checkout: Path) -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1",
-                CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(checkout))
+    return cpu_env(PYTHONPATH=str(checkout))  # that checkout's package only
 
 
 def _cpu_of_children() -> float:

@@ -34,8 +34,19 @@ from pathlib import Path
 
 from .fork_ranks import entry_script, launch, preload
 
+CHECKOUT = Path(__file__).resolve().parents[2]  # the checkout this package runs from
 RESULT = "launch.json"  # in the launch's log directory: the ranks' exit codes, as fork_ranks prints them
 LEADER_LOG = "leader.log"  # the leader's own output (a launcher error would show here)
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """The environment of a CPU training launch: this process's, one thread per rank, no compilation, no
+    GPU, unbuffered output, this checkout first on ``PYTHONPATH``; ``extra`` last (``PYTHONPATH`` included)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1",
+               CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
 
 
 def lead(request: dict, answers: int) -> None:

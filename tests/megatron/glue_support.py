@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_vshape.testing.launch_server import LaunchServers, LaunchTimeout
+from megatron_vshape.testing.launch_server import LaunchServers, LaunchTimeout, cpu_env
 from megatron_vshape.testing.spawn import PORT_CLASH, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,14 +27,6 @@ def _has_megatron_training() -> bool:
         return importlib.util.find_spec("megatron.training") is not None
     except ModuleNotFoundError:
         return False
-
-
-def cpu_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1",
-               CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
 
 
 def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT,
