@@ -91,7 +91,26 @@ def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    stop_data_loader_workers()
     gc.collect()
+
+
+def stop_data_loader_workers() -> None:
+    """Stop the workers of every live multi-process DataLoader iterator while its queues still work.
+
+    Megatron's iterators (``--num-workers``, default 2, persistent) sit in reference cycles. Collected by
+    :func:`gc.collect`, an iterator's index queues are finalized (their feeder threads told to stop) before
+    the iterator's own ``__del__`` sends each worker its stop signal through them, so the signal never
+    leaves the process. Each worker then costs a join timeout (torch's ``MP_STATUS_CHECK_INTERVAL``, 5 s):
+    20 to 30 s at the end of every run with a train, validation and test loader. Stopped here, first, each
+    worker gets its signal and exits at once.
+    """
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    for iterator in [o for o in gc.get_objects() if isinstance(o, _MultiProcessingDataLoaderIter)]:
+        iterator._shutdown_workers()  # torch's own shutdown, the one __del__ would run
 
 
 if __name__ == "__main__":
