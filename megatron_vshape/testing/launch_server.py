@@ -114,6 +114,7 @@ class _Server:
         return self.process.poll() is None
 
     def close(self) -> None:
+        """Stop the server (if it still runs) and remove its stderr file."""
         if self.alive():
             self.process.stdin.close()  # the server ends at the end of its stdin
             try:
@@ -121,6 +122,7 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.errors.unlink(missing_ok=True)
 
     def _answer(self, timeout: float | None) -> dict | None:
         """The server's next answer; None if none came within ``timeout`` seconds (None: no limit)."""
@@ -188,6 +190,8 @@ class LaunchServers:
         if server is not None and server.alive():
             self._servers.move_to_end(key)
             return server
+        if server is not None:  # it stopped (its error was reported): replaced below
+            self._servers.pop(key).close()
         while len(self._servers) >= self.keep:
             self._servers.popitem(last=False)[1].close()
         errors = Path(tempfile.mkstemp(prefix="vshape-launch-server-", suffix=".log")[1])

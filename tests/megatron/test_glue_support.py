@@ -222,3 +222,21 @@ def test_launches_of_one_script_share_one_launch_server_that_runs_each_like_fork
     assert marked.returncode == 0 and marked.stdout.rstrip().endswith("marker other")
     others = servers_of_this_script()
     assert len(others) == 2 and others[0] is server and server.alive()
+
+
+def test_a_closed_launch_server_leaves_no_error_file(tmp_path):
+    """Closing a server removes its stderr file, whether the server still ran or had stopped (each server
+    left one in the temporary directory: hundreds after a day of test runs)."""
+    from megatron_vshape.testing.launch_server import _Server
+
+    for still_running in (True, False):
+        errors = tmp_path / f"server-{still_running}.log"
+        errors.write_text("")
+        process = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE)
+        if not still_running:
+            process.stdin.close()
+            process.wait(timeout=30)
+        server = _Server(process, errors)
+        server.close()
+        assert not server.alive() and not errors.exists()
