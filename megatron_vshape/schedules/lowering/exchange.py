@@ -51,6 +51,22 @@ in G order, which the validator has made one order on every rank. The argument a
 rendezvous as one more kind of event that runs on all its ranks at once; a collective that only some
 pass waits for (the loss gradient, waited in G) finishes once every rank has posted it, which each does
 in its H, so no wait on it can close a cycle (the NCCL model checks it for every program).
+
+**Overlapped F&B pairs** (``ProgramStep.overlaps_next``, Megatron's combined 1F1B step): one unit. In the
+timed run the pair starts when both halves' inputs are there and both halves end together
+(``Costs.pair_time``); both halves' receives are waited before the F's COMPUTE and both sends go out
+after the pair, so the runtime can run the two halves as one call.
+
+**The expert-parallel all-to-all** (``expert_layers``: MoE layers per stage). Expert parallelism runs
+across the replicas of one pipeline rank (the expert group is part of the data-parallel ranks, never of
+the pipeline), and every replica runs the same program. Each F and B of a stage with MoE layers records,
+before its COMPUTE, the all-to-alls Megatron's schedule plan issues for it (per layer a dispatch and a
+combine; in a pair in the plan's order: the B's combine, the F's dispatch, the B's dispatch, the F's
+combine), as COLLECTIVE ops on the expert queue (``EXPERT_QUEUE``: the expert communicator's own NCCL
+stream) over ``Communicator(EXPERT_GROUP, rank, rank)`` (this pipeline rank's expert group; the NCCL
+model spreads it over the replicas, ``nccl_model.with_expert_replicas``), each waited for at once (the
+compute needs it). The runtime issues nothing for them (Megatron does, inside the pass); they are the
+program's record for the NCCL model, as the vocabulary H's are.
 """
 
 from __future__ import annotations
@@ -71,6 +87,8 @@ PIPELINE_GROUP = "pipeline"  # the whole pipeline group (ranks lo..hi): the voca
 # The queues a rank's work goes to besides its compute and its p2p communicators (each one in-order queue,
 # a CUDA stream of its own on GPU): a family of collectives per queue. nccl_model.py knows no name here.
 VOCAB_QUEUE = "vocabulary"
+EXPERT_QUEUE = "expert"
+EXPERT_GROUP = "expert"  # one pipeline rank's expert-parallel group (its replicas; see with_expert_replicas)
 # A send-only batch is waited for this many passes per pipeline rank after it (about a pipeline's
 # worth of passes: the receiver has posted by then; at most that many sent tensors stay alive).
 SEND_SLACK_PER_RANK = 2
@@ -82,6 +100,11 @@ class Communicator(NamedTuple):
     group: str
     lo: int
     hi: int
+    stride: int = 1  # the expert group: its members are lo, lo + stride, ..., hi (one pipeline rank's replicas)
+
+    def __repr__(self) -> str:  # the stride only where it is not 1 (the expert group's)
+        stride = f", stride={self.stride}" if self.stride != 1 else ""
+        return f"Communicator(group={self.group!r}, lo={self.lo}, hi={self.hi}{stride})"
 
     @classmethod
     def of(cls, group: str, a: int, b: int) -> Communicator:
@@ -89,9 +112,10 @@ class Communicator(NamedTuple):
 
     @property
     def members(self) -> frozenset[int]:
-        """The ranks of this communicator: the pair, or every rank lo..hi of the pipeline group."""
-        if self.group == PIPELINE_GROUP:
-            return frozenset(range(self.lo, self.hi + 1))
+        """The ranks of this communicator: the pair, every rank lo..hi of the pipeline group, or the expert
+        group's ranks lo..hi every ``stride``."""
+        if self.group in (PIPELINE_GROUP, EXPERT_GROUP):
+            return frozenset(range(self.lo, self.hi + 1, self.stride))
         return frozenset((self.lo, self.hi))
 
 
@@ -164,7 +188,7 @@ class _Event(NamedTuple):
 
 
 def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
-                      eager_waits: bool = False) -> tuple[tuple[Op, ...], ...]:
+                      eager_waits: bool = False, expert_layers: Sequence[int] = ()) -> tuple[tuple[Op, ...], ...]:
     """The per-iteration program of every rank (see the module docstring).
 
     ``plans`` are the messages level of the lowering (a ``DevicePlan``, or a ``program.RankProgram``:
@@ -172,6 +196,7 @@ def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
 
     ``eager_waits`` waits for every batch right after posting it (the policy before waits moved
     late: one operation outstanding per rank); kept to measure what the late waits buy.
+    ``expert_layers``: MoE layers per stage (empty: no expert-parallel all-to-all recorded).
     """
     sends = _send_orders(plans)
     _check_channels(plans, sends)
@@ -192,7 +217,7 @@ def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
     training = any(step.action.kind is VocabKind.G for step in plans[first].steps)
     slots = embedding_slots([step.action for step in plans[first].steps], training)
     return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits, len(plans), holder,
-                       _EmbeddingOps(rank == first, slots, len(plans)))
+                       _EmbeddingOps(rank == first, slots, len(plans)), expert_layers)
                  for rank in range(len(plans)))
 
 
@@ -251,12 +276,16 @@ def _timed_run(plans, sends, costs: Costs):
     arrival: dict[tuple[int, int], float] = {}  # (microbatch, rank) -> when the rank reached its H
     vocab, vocab_w = vocab_pass_times(costs, len(plans)) if costs.vocab is not None else (1.0, 1.0)
 
+    pair_start = [0.0] * len(plans)  # the start of the pair whose F ran last on each device
+
     def needs(device, entry):
         arrive, index, step = entry
         if arrive:
             return ()
         if step.action.kind is VocabKind.H:
             return [("at", step.action.microbatch, other) for other in devices]
+        if _overlaps(step):  # a pair starts when both halves' inputs are there
+            return waits_for[device][index] + waits_for[device][index + 1]
         return waits_for[device][index]
 
     def run(device, entry):
@@ -269,10 +298,19 @@ def _timed_run(plans, sends, costs: Costs):
             starts[device].append(start)
             free[device] = start + vocab
             return []
-        start = max([free[device]] + [slot_time[key] for key in waits_for[device][index]])
-        starts[device].append(start)
-        free[device] = start + (costs.of(step.action.kind, step.action.stage)
-                                if not isinstance(step.action.kind, VocabKind) else vocab_w)
+        if index > 0 and _overlaps(plans[device].steps[index - 1]):  # a pair's B: with its F, ending together
+            starts[device].append(pair_start[device])
+        else:
+            start = max([free[device]] + [slot_time[key] for key in needs(device, entry)])
+            starts[device].append(start)
+            if _overlaps(step):
+                backward = plans[device].steps[index + 1].action
+                pair_start[device] = start
+                free[device] = start + costs.pair_time(costs.of(Kind.F, step.action.stage),
+                                                       costs.of(Kind.B, backward.stage))
+            else:
+                free[device] = start + (costs.of(step.action.kind, step.action.stage)
+                                        if not isinstance(step.action.kind, VocabKind) else vocab_w)
         made = []
         for msg in step.sends:
             n = send_position[msg]
@@ -288,6 +326,11 @@ def _timed_run(plans, sends, costs: Costs):
     if stuck:
         raise CommError("p2p plan deadlocks (a receive waits for a message never sent before it): " + "; ".join(stuck))
     return starts, slot_time
+
+
+def _overlaps(step) -> bool:
+    """An F run overlapped with the next step (program.ProgramStep.overlaps_next; a plain Step has no pairs)."""
+    return getattr(step, "overlaps_next", False)
 
 
 def enumerate_steps(steps):
@@ -323,7 +366,8 @@ def _fuse(sequences) -> dict[_Event, int]:
 
 
 def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_waits: bool = False,
-          num_ranks: int = 1, holder: int = 0, embedding: _EmbeddingOps | None = None) -> tuple[Op, ...]:
+          num_ranks: int = 1, holder: int = 0, embedding: _EmbeddingOps | None = None,
+          expert_layers: Sequence[int] = ()) -> tuple[Op, ...]:
     """This rank's operations: each batch POSTed at its place in G; its WAIT as late as allowed.
 
     A batch that receives is waited for right before the first pass that consumes one of its
@@ -331,7 +375,7 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
     receive-waits), or at the end: a gloo send completes only once the receiver has posted its
     receive, which it does at its own place in G, so a sender that waited at once stopped until a
     busy receiver got there; the slack bounds how many sent tensors stay alive (on GPU the output
-    a send holds is freed at its wait).
+    a send holds is freed at its wait). A pair's F waits for both halves' receives.
     """
     ops: list[Op] = []
     current: list[Transfer] = []
@@ -368,7 +412,9 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
         if event.is_pass:
             close()
             current_batch = None
-            for position in sorted({receiving[m] for m in plan.steps[event.b].recvs if receiving.get(m) in unwaited}):
+            step = plan.steps[event.b]
+            recvs = step.recvs + (plan.steps[event.b + 1].recvs if _overlaps(step) else ())
+            for position in sorted({receiving[m] for m in recvs if receiving.get(m) in unwaited}):
                 wait(position)
             while sending and passes - sending[0][0] >= slack:
                 wait(sending.pop(0)[1])
@@ -382,6 +428,8 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
                     ops.append(Op(OpKind.WAIT, index=embedding.lookups.pop(action.microbatch)))
                 for position in waited_in_g.pop(action.microbatch, ()) if action.kind is VocabKind.G else ():
                     ops.append(Op(OpKind.WAIT, index=position))
+                if expert_layers:
+                    _emit_a2a(ops, rank, plan, event.b, expert_layers)
                 ops.append(Op(OpKind.COMPUTE, index=event.b))
             passes += 1
             continue
@@ -398,6 +446,44 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
         embedding.slot(ops)  # the last slot: in the runtime's epilogue, after the exchange has finished
         embedding.settle(ops)
     return tuple(ops)
+
+
+def a2a_labels(plan, index: int, expert_layers: Sequence[int]) -> tuple[str, ...]:
+    """The all-to-alls plan step ``index`` issues, in Megatron's order (its schedule plan's ``run``): an F
+    or B alone, per layer a dispatch then a combine (a B: from its last layer down); the F of a pair,
+    per overlapped layer the B's combine, the F's dispatch, the B's dispatch, the F's combine, then the
+    longer half's layers alone; the B of a pair, nothing (its F recorded them)."""
+    steps = plan.steps
+    step = steps[index]
+    action = step.action
+    if isinstance(action.kind, VocabKind) or action.kind is Kind.W:
+        return ()
+    if action.kind is Kind.B and index > 0 and _overlaps(steps[index - 1]):
+        return ()
+
+    def alone(act, layers):
+        return [f"{act} L{i} {what}" for i in layers for what in ("dispatch", "combine")]
+
+    forward = action if action.kind is Kind.F else None
+    backward = steps[index + 1].action if _overlaps(step) else (action if action.kind is Kind.B else None)
+    f_layers = list(range(expert_layers[forward.stage])) if forward is not None else []
+    b_layers = list(reversed(range(expert_layers[backward.stage]))) if backward is not None else []
+    both = min(len(f_layers), len(b_layers))
+    labels = []
+    for fl, bl in zip(f_layers[:both], b_layers[:both]):
+        labels += [f"{backward} L{bl} combine", f"{forward} L{fl} dispatch", f"{backward} L{bl} dispatch",
+                   f"{forward} L{fl} combine"]
+    labels += alone(backward, b_layers[both:]) if backward is not None else []
+    labels += alone(forward, f_layers[both:]) if forward is not None else []
+    return tuple(labels)
+
+
+def _emit_a2a(ops: list[Op], rank: int, plan, index: int, expert_layers: Sequence[int]) -> None:
+    """Step ``index``'s all-to-alls on the expert queue, each waited for at once (see the module docstring)."""
+    group = Communicator(EXPERT_GROUP, rank, rank)
+    for label in a2a_labels(plan, index, expert_layers):
+        ops.append(Op(OpKind.COLLECTIVE, group, queue=EXPERT_QUEUE, label=label))
+        ops.append(Op(OpKind.WAIT, index=len(ops) - 1))
 
 
 class _EmbeddingOps:

@@ -31,6 +31,12 @@ on its own threads. This model runs the per-rank operation lists of the lowering
   running the model shows: a cycle leaves the ranks stopped (:class:`NcclDeadlock`). A COMPUTE op that
   names a communicator (collectives inside the step, on the compute queue: the form before the
   collectives had a queue) is still understood.
+* **The expert-parallel all-to-all** (MoE with expert parallelism: ``exchange.EXPERT_QUEUE``). Its group is
+  one pipeline rank's replicas, so :func:`with_expert_replicas` runs ``expert_parallel`` copies of the
+  pipeline's programs side by side (copy r's rank p is model rank r * d + p; each copy's p2p pairs and
+  pipeline group its own) and each pipeline rank's expert group spans its copies. The rules above then
+  apply to it as to any collective queue: one queue on every rank, the same n-th all-to-all on every
+  member, and no cross-queue wait closing a cycle.
 
 The host never waits for the GPU otherwise. :func:`run_nccl_model` raises :class:`NcclDeadlock`
 when the ranks stop with work left, and :class:`NcclMismatch` when NCCL would pair a receive with
@@ -45,7 +51,7 @@ from dataclasses import dataclass, field
 
 from ..core.actions import VocabKind
 from ..core.schedule import Costs
-from .exchange import PIPELINE_GROUP, VOCAB_QUEUE, Communicator, Op, OpKind, Transfer, warmup_program
+from .exchange import EXPERT_GROUP, PIPELINE_GROUP, VOCAB_QUEUE, Communicator, Op, OpKind, Transfer, warmup_program
 from .messages import CommError, DevicePlan
 from .program import Program, exchange, forward_only, from_plans
 
@@ -262,10 +268,39 @@ def run_nccl_model(programs: Sequence[Sequence[Sequence[Op]]], single_queue: boo
     _Model(programs, single_queue).run()
 
 
-def check_program(train: Program, evaluate: Program, single_queue: Sequence[bool] = (True, False)) -> None:
+def check_program(train: Program, evaluate: Program, single_queue: Sequence[bool] = (True, False),
+                  expert_parallel: int = 2) -> None:
     """Model what the runtime issues for one schedule's lowered programs (the warm-up, a training call,
-    an evaluation call) under each ``single_queue`` setting."""
-    _check_calls(train.ranks, evaluate.ranks, single_queue)
+    an evaluation call) under each ``single_queue`` setting; programs that record expert-parallel
+    all-to-alls run as ``expert_parallel`` replicas (:func:`with_expert_replicas`)."""
+    _check_calls(train.ranks, evaluate.ranks, single_queue, expert_parallel)
+
+
+def has_expert_a2a(programs) -> bool:
+    """True when a rank's program records expert-parallel all-to-alls (ops on the expert group)."""
+    return any(op.communicator is not None and op.communicator.group == EXPERT_GROUP
+               for segments in programs for ops in segments for op in ops)
+
+
+def with_expert_replicas(programs: Sequence[Sequence[Sequence[Op]]], expert_parallel: int):
+    """``expert_parallel`` copies of the pipeline's per-rank programs (lists of op lists), as the model's
+    ranks: copy r's pipeline rank p is rank r * d + p. Each copy keeps its own p2p communicators and
+    pipeline group; pipeline rank p's expert group becomes ranks p, d + p, ..., the replicas that hold
+    the same stages (Megatron's expert group lies inside the data-parallel ranks of one pipeline stage)."""
+    d = len(programs)
+
+    def moved(comm: Communicator | None, r: int) -> Communicator | None:
+        if comm is None:
+            return None
+        if comm.group == EXPERT_GROUP:
+            return Communicator(EXPERT_GROUP, comm.lo, comm.lo + (expert_parallel - 1) * d, d)
+        return comm._replace(lo=comm.lo + r * d, hi=comm.hi + r * d)
+
+    def op_of(op: Op, r: int) -> Op:
+        transfers = tuple(t._replace(src=t.src + r * d, dst=t.dst + r * d) for t in op.transfers)
+        return op._replace(communicator=moved(op.communicator, r), transfers=transfers)
+
+    return [[[op_of(op, r) for op in ops] for ops in programs[p]] for r in range(expert_parallel) for p in range(d)]
 
 
 def vocab_call_segment(num_ranks: int) -> tuple[Op, ...]:
@@ -284,7 +319,7 @@ def check_exchange(plans: Sequence[DevicePlan], single_queue: Sequence[bool] = (
     _check_calls(exchange(ranks, costs), exchange(forward_only(ranks), costs), single_queue)
 
 
-def _check_calls(train, evaluate, single_queue: Sequence[bool]) -> None:
+def _check_calls(train, evaluate, single_queue: Sequence[bool], expert_parallel: int = 2) -> None:
     d = len(train)
     vocab = any(step.action.kind is VocabKind.H for rank in train for step in rank.steps)
     calls = vocab_call_segment(d) if vocab else ()
@@ -292,5 +327,7 @@ def _check_calls(train, evaluate, single_queue: Sequence[bool]) -> None:
     # are in the call's own program (exchange.py, _EmbeddingOps).
     programs = [(warmup_program(r, d), calls, t.exchange, calls, e.exchange)
                 for r, (t, e) in enumerate(zip(train, evaluate))]
+    if expert_parallel > 1 and has_expert_a2a(programs):
+        programs = with_expert_replicas(programs, expert_parallel)
     for setting in single_queue:
         run_nccl_model(programs, setting)

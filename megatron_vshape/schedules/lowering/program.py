@@ -4,7 +4,8 @@ As in PyTorch's pipelining (named lowering passes with an explicit level), each 
 before it and adds one thing; :func:`lower_program` runs them in this order:
 
 1. ``messages`` (:attr:`Level.MESSAGES`): per device, each compute step with the p2p messages it
-   receives before it runs and sends after it (``messages.lower``; hand-overs on one device are none).
+   receives before it runs and sends after it (``messages.lower``; hand-overs on one device are none),
+   and which F runs overlapped with the B after it (an F&B pair, ``Schedule.pairs``: ``overlaps_next``).
 2. ``forward_only``: an evaluation call keeps the forwards (and the vocabulary H passes, whose forward
    part gives the loss) and their activations only.
 3. ``fused_backward_pairs`` (:attr:`Level.PAIRED`): which B leaves its weight gradients to its W pass
@@ -13,7 +14,10 @@ before it and adds one thing; :func:`lower_program` runs them in this order:
    (its first F) and where its gradient reduction may start (its last backward pass, B or W): the
    grad-sync points. (Within a chunk, ``runtime/grad_sync.py`` launches bucket by bucket.)
 5. ``exchange`` (:attr:`Level.EXCHANGE`): every rank's p2p operations in issue order
-   (``exchange.exchange_programs``: one global order of pairwise rendezvous).
+   (``exchange.exchange_programs``: one global order of pairwise rendezvous); a pair is one unit there
+   (both halves' receives waited before it, both halves' sends after it), and with ``expert_layers`` each
+   F and B of a stage with MoE layers records the expert-parallel all-to-alls that Megatron's schedule plan
+   issues (on the expert queue, ``exchange.EXPERT_QUEUE``), for the NCCL model.
 
 Three readers take the same :class:`Program`: the executor (``runtime/iteration.py`` runs a rank's
 steps and its exchange), the NCCL model (``nccl_model.check_program`` runs every rank's exchange under
@@ -55,6 +59,9 @@ class ProgramStep(NamedTuple):
     # (a vocabulary H always leaves its weight gradient to its G)
     gathers_params_of: tuple[int, ...] = ()  # local chunks whose first F this is: gather parameters first
     reduces_grads_of: tuple[int, ...] = ()  # local chunks whose last backward pass (B or W) this is
+    # An F that runs overlapped with the next step, its pair's B (actions.Pair: one microbatch's F and another's
+    # B as one unit, Megatron's combined 1F1B step): both halves' receives come before it, both sends after.
+    overlaps_next: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,27 @@ class Program:
 
 
 def messages(schedule: Schedule) -> tuple[RankProgram, ...]:
-    """Pass 1: each device's steps with the messages they receive and send."""
-    return from_plans(lower(schedule))
+    """Pass 1: each device's steps with the messages they receive and send, and the pairs marked."""
+    return mark_pairs(schedule, from_plans(lower(schedule)))
+
+
+def mark_pairs(schedule: Schedule, ranks: Sequence[RankProgram]) -> tuple[RankProgram, ...]:
+    """Pass 1's second half: the F of each overlapped pair gets ``overlaps_next`` (its B is the next step;
+    the validator has checked that the halves are adjacent, forward first)."""
+    if not schedule.pairs:
+        return tuple(ranks)
+    forwards = {pair.forward: pair.backward for pair in schedule.pairs}
+    out = []
+    for rank in ranks:
+        steps = list(rank.steps)
+        for i, step in enumerate(steps):
+            backward = forwards.get(step.action)
+            if backward is not None:
+                if i + 1 >= len(steps) or steps[i + 1].action != backward:
+                    raise ValueError(f"pair {step.action}&{backward}: the halves are not adjacent, forward first")
+                steps[i] = step._replace(overlaps_next=True)
+        out.append(replace(rank, steps=tuple(steps)))
+    return tuple(out)
 
 
 def forward_only(ranks: Sequence[RankProgram]) -> tuple[RankProgram, ...]:
@@ -165,9 +191,11 @@ def chunk_marks(placement: Placement, ranks: Sequence[RankProgram]) -> tuple[Ran
     return tuple(out)
 
 
-def exchange(ranks: Sequence[RankProgram], costs: Costs = Costs(), eager_waits: bool = False) -> tuple[RankProgram, ...]:
-    """Pass 5: every rank's p2p operations, in one global order of pairwise rendezvous."""
-    programs = exchange_programs(ranks, costs, eager_waits)
+def exchange(ranks: Sequence[RankProgram], costs: Costs = Costs(), eager_waits: bool = False,
+             expert_layers: Sequence[int] = ()) -> tuple[RankProgram, ...]:
+    """Pass 5: every rank's p2p operations, in one global order of pairwise rendezvous (``expert_layers``:
+    MoE layers per stage, whose all-to-alls each F and B records; empty: none)."""
+    programs = exchange_programs(ranks, costs, eager_waits, expert_layers)
     return tuple(replace(rank, exchange=ops) for rank, ops in zip(ranks, programs))
 
 
@@ -176,14 +204,16 @@ def exchange(ranks: Sequence[RankProgram], costs: Costs = Costs(), eager_waits: 
 
 def lower_program(schedule: Schedule, costs: Costs = Costs(), *, forward_only_call: bool = False,
                   defer_every_w: bool = False, split_remote_pairs: bool = True, eager_waits: bool = False,
-                  plans: Sequence[DevicePlan] | None = None, level: Level = Level.EXCHANGE) -> Program:
+                  plans: Sequence[DevicePlan] | None = None, level: Level = Level.EXCHANGE,
+                  expert_layers: Sequence[int] = ()) -> Program:
     """Run the passes on ``schedule`` up to ``level``.
 
     ``plans``: the messages level, when the caller lowered it itself (the executor's hook, through
     which the tests hand it a corrupted plan). ``costs`` time the exchange's global order (the costs
-    the schedule was built from).
+    the schedule was built from). ``expert_layers``: the MoE layers of each stage (one entry per stage;
+    empty: a model without experts), whose expert-parallel all-to-alls the exchange records.
     """
-    ranks = messages(schedule) if plans is None else from_plans(plans)
+    ranks = messages(schedule) if plans is None else mark_pairs(schedule, from_plans(plans))
     if forward_only_call:
         ranks = forward_only(ranks)
     reached = Level.MESSAGES
@@ -191,7 +221,7 @@ def lower_program(schedule: Schedule, costs: Costs = Costs(), *, forward_only_ca
         (Level.PAIRED, lambda r: fused_backward_pairs(schedule, r, defer_every_w and not forward_only_call,
                                                       split_remote_pairs)),
         (Level.MARKED, lambda r: chunk_marks(schedule.placement, r)),
-        (Level.EXCHANGE, lambda r: exchange(r, costs, eager_waits)),
+        (Level.EXCHANGE, lambda r: exchange(r, costs, eager_waits, expert_layers)),
     ):
         if pass_level > level:
             break
@@ -206,7 +236,8 @@ def from_plans(plans: Sequence[DevicePlan]) -> tuple[RankProgram, ...]:
 
 def _forwards(rank: RankProgram) -> RankProgram:
     # An evaluation call's loss needs the vocabulary H's forward part too.
-    steps = tuple(step for step in rank.steps if step.action.kind is Kind.F or step.action.kind is VocabKind.H)
+    steps = tuple(step._replace(overlaps_next=False) for step in rank.steps
+                  if step.action.kind is Kind.F or step.action.kind is VocabKind.H)
     recv_order = {peer: kept for peer, msgs in rank.recv_order.items()
                   if (kept := tuple(m for m in msgs if m.payload is Payload.ACTIVATION))}
     return RankProgram(steps, recv_order)
