@@ -3,6 +3,7 @@ searches against the plain ones they replace."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 
@@ -127,6 +128,34 @@ def test_the_h_placements_bound_skips_nothing_it_should_not(monkeypatch, name):
             assert fast.programs == plain.programs
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-1p", "v-half", "v-zb"])
+def test_the_h_placements_bounds_are_below_every_places_pace(name):
+    """The placement passes over a place whose bound is later than what it must beat: each bound (the cheap one,
+    and the better one made when asked) is at most the place's pace once timed, at every rendezvous (the
+    last one's pace is the makespan), with unequal stages and per-device H times too."""
+    rng = random.Random(7)
+    checked = 0
+    for d, m in ((3, 7), (4, 8), (6, 9)):
+        stages = _stage_mix(rng, SCHEDULES[name].num_stages(d))
+        for costs in (Costs(1, 1.1, 0.9, 0.05, (), VocabWork(0.9, 0.9, 0.9, 0.5)),
+                      Costs(1, 1.4, 0.8, 0.2, stages, VocabWork(2.5, 2.0, 1.5, 1.0))):
+            schedule = get_schedule(name, d, m, costs.without_vocab())
+            placer = vocab_passes._HPlacer(schedule, costs)
+            programs = [[placer.ids.of(action) for action in program] for program in schedule.programs]
+            times, prefix = placer.run(programs, None), None
+            for n in range(len(placer.forwards)):
+                places = placer.trials(programs, times, prefix, n)
+                for place in places:
+                    trial = place.timed()
+                    if trial is not None:
+                        assert place.cheap <= place.bound() <= trial.pace + 1e-9
+                        checked += 1
+                chosen, _ = placer.best(places, n)
+                trial = chosen.timed()
+                programs, times, prefix = trial.programs, trial.times, chosen.prefix_after()
+    assert checked > 100
+
+
 def test_a_shared_proxy_ranking_builds_what_a_fresh_one_builds():
     """best_of's proxy ranking is shared between sizes with the same proxy (d >= 16, m >= 64) and costs;
     each size built after another equals its build from a fresh ranking."""
@@ -181,3 +210,18 @@ def test_an_over_budget_replay_that_stops_early_rejects_what_a_full_one_rejects(
                 finally:
                     slot_memory.LazyMemory._replay = full
                 assert fast == plain
+
+
+def test_builds_with_other_vocabulary_work_share_the_layers_order():
+    """The layers' order never depends on the vocabulary work: a build with other vocabulary costs reuses it,
+    and each build equals its build from a fresh cache."""
+    from megatron_vshape.schedules.generators import registry
+
+    base = Costs(1, 1.1, 0.9, 0.05, _stage_mix(random.Random(3), 12))
+    builds = [dataclasses.replace(base, vocab=VocabWork(f, 0.22, 0.22, 1.0)) for f in (0.4, 0.44, 0.52)]
+    registry._layers_order.cache_clear()
+    shared = [get_schedule("v-half", 6, 12, costs).programs for costs in builds]
+    assert registry._layers_order.cache_info().misses == 1 and registry._layers_order.cache_info().hits == 2
+    for costs, programs in zip(builds, shared):
+        registry._layers_order.cache_clear()
+        assert get_schedule("v-half", 6, 12, costs).programs == programs

@@ -127,14 +127,22 @@ class ScheduleSpec:
         # placed afterwards, in the family's own order.
         request = Request(num_devices, num_microbatches, dataclasses.replace(costs.without_vocab(), a2a=0.0),
                           memory_limit, chunks, memory if memory is not None else MemoryModel())
-        schedule = self.generate(request)
-        if self.order_from_costs and not costs.uniform:
-            schedule = self._not_slower_than_uniform(schedule, request)
-        if costs.a2a > 0 and costs.vocab is None:  # issue 43: F&B pairs hide the all-to-all (pairing.py)
+        if costs.vocab is not None:
+            # The layers' order never depends on the vocabulary work: the planner asks for one order with many
+            # vocabulary costs (its +vocab rows' layouts), so it is built once (``_layers_order``).
+            return with_vocab_passes(_layers_order(self.name, request), costs, self.vocab_g_in_gaps)
+        schedule = self.layers_order(request)
+        if costs.a2a > 0:  # issue 43: F&B pairs hide the all-to-all (pairing.py)
             limit = request.memory_limit if self.takes_memory_limit else None
             schedule = pairing.paired(schedule, costs, request.memory, limit or self.memory_factor)
-        if costs.vocab is not None:
-            schedule = with_vocab_passes(schedule, costs, self.vocab_g_in_gaps)
+        return schedule
+
+    def layers_order(self, request: Request) -> Schedule:
+        """The generator's schedule of the layers for ``request`` (with unequal stages, never slower than the
+        order built for uniform stages: ``_not_slower_than_uniform``)."""
+        schedule = self.generate(request)
+        if self.order_from_costs and not request.costs.uniform:
+            schedule = self._not_slower_than_uniform(schedule, request)
         return schedule
 
     def _not_slower_than_uniform(self, own: Schedule, request: Request) -> Schedule:
@@ -178,6 +186,13 @@ class ScheduleSpec:
             if self.check(num_devices, m) is None:
                 return m
         raise ScheduleError(self.check(num_devices, num_microbatches) or f"{self.name}: no microbatch count fits")
+
+
+@lru_cache(maxsize=16)  # a few orders of up to tens of thousands of passes each
+def _layers_order(name: str, request: Request) -> Schedule:
+    """Schedule ``name``'s layers for ``request`` (no vocabulary work in it), shared by every build that adds
+    vocabulary passes to it: each of those copies the schedule, so nobody holds this one."""
+    return SCHEDULES[name].layers_order(request)
 
 
 @lru_cache(maxsize=64)  # the planner asks for tens of (d, m, base costs) with many stage-cost sets each

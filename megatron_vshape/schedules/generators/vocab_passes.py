@@ -15,7 +15,9 @@ timed from where the H passes placed so far leave every device (a prefix that no
 trial is judged by its pace, the end of the last stage's next forward (the next rendezvous can come no
 earlier), looking one rendezvous ahead: the trial whose best next trial has the earliest pace wins, then
 its own pace. Meeting late can pay: a device that finishes its running pass first may let the next
-rendezvous meet early. On uniform stages the boundaries of 1F1B's and the V schedules' steady states line
+rendezvous meet early. The choice is that of timing every trial and looking ahead from every one, but a
+trial is timed only while a lower bound on its pace (``_Bounds``: the passes before the breaks keep
+their times, every device's passes after its H follow it, each after its inputs) can still win. On uniform stages the boundaries of 1F1B's and the V schedules' steady states line
 up and H costs its own duration only.
 
 **G.** Right after its H where the schedule fuses its backward, and where it keeps activation memory
@@ -26,6 +28,9 @@ fills an idle gap of its device after its H, as the zero-bubble schedules' own W
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from ..core.actions import Action, Kind, VocabKind
@@ -59,6 +64,55 @@ class _Trial:
     times: ProgramTimes
 
 
+class _Place:
+    """A place for a rendezvous's H passes (``breaks``), timed only when asked (:meth:`timed`): a search that
+    rules a place out by a lower bound on its pace never runs it. Two bounds: ``cheap`` (made with the place)
+    and :meth:`bound` (at least as high, made when asked: :class:`_Bounds`)."""
+
+    __slots__ = ("breaks", "cheap", "_bounds", "_bound", "_trial", "_prefix_after")
+
+    def __init__(self, bounds: _Bounds, breaks: tuple[int, ...], cheap: float):
+        self.breaks, self.cheap, self._bounds = breaks, cheap, bounds
+        self._bound: float | None = None
+        self._trial: _Trial | None | bool = False  # False: not timed yet; None: H never meets there
+        self._prefix_after: TimedPrefix | None = None
+
+    def bound(self) -> float:
+        if self._bound is None:
+            self._bound = max(self.cheap, self._bounds.pace(self.breaks))
+        return self._bound
+
+    def timed(self) -> _Trial | None:
+        """The trial, timed (once); None where its H never meets or its pace is not timed."""
+        if self._trial is False:
+            self._trial = self._bounds.placer.time_trial(self._bounds.programs, self._bounds.prefix,
+                                                         self._bounds.n, self.breaks)
+        return self._trial
+
+    def prefix_after(self) -> TimedPrefix:
+        """:func:`_prefix_through` of the timed trial (kept: the look-ahead and the next step both start there)."""
+        if self._prefix_after is None:
+            self._prefix_after = _prefix_through(self.timed())
+        return self._prefix_after
+
+
+def _in_order(places: list[_Place], limit) -> Iterator[tuple[int, _Trial]]:
+    """(index, trial) of ``places`` that meet, timed in the order of their bounds while a bound is within
+    ``_BOUND_MARGIN`` of ``limit()`` (asked again after each: the caller lowers it as it finds better). A
+    place is bounded cheaply first, then better, then timed: each only when it comes first."""
+    heap = [(place.cheap, i, 0) for i, place in enumerate(places)]
+    heapq.heapify(heap)
+    while heap and heap[0][0] - _BOUND_MARGIN <= limit():
+        _, i, stage = heapq.heappop(heap)
+        place = places[i]
+        if stage == 0 and limit() < math.inf:  # (nothing to beat yet: timing it is what sets the limit)
+            heapq.heappush(heap, (place.bound(), i, 1))
+            continue
+        trial = place.timed()
+        if trial is not None:
+            yield i, trial
+
+
 class _HPlacer:
     """The rendezvous of the H passes, placed one at a time in the last stage's forwards' order: the
     programs are pass ids (timing.PassIds), and every trial is timed from the prefix that the H
@@ -74,6 +128,24 @@ class _HPlacer:
         self.durations = pass_durations(schedule, costs, vocab_parallel=True)
         self.forwards = [self.ids.of(a) for a in schedule.programs[self.holder]
                          if a.kind is Kind.F and a.stage == last]
+        # Each device's H time (the last stage's device's may be longer: VocabWork.holder).
+        self.h_times = [self.durations[self.ids.of(Action(VocabKind.H, device, 0)) // self.m]
+                        for device in range(self.num_devices)]
+        self.h_time = self.h_times[self.holder]
+        stage_device = [schedule.placement.device_of(s) for s in range(schedule.num_stages)]
+        # The device of every (kind, stage) row of pass ids (a vocabulary pass's stage index is its shard).
+        self.row_device = stage_device * 3 + [*range(self.num_devices), *stage_device[self.num_devices:]] * 2
+        # Each pass's index in its device's program before any H (once n H passes are placed before it, n
+        # more), and per device the time of its passes before each index (a run of passes one after another).
+        self.position = [-1] * (5 * self.ids.per_kind)
+        self.before: list[list[float]] = []
+        for program in schedule.programs:
+            before = [0.0]
+            for i, action in enumerate(program):
+                x = self.ids.of(action)
+                self.position[x] = i
+                before.append(before[-1] + self.durations[x // self.m])
+            self.before.append(before)
 
     def run(self, programs: list[list[int]], prefix: TimedPrefix | None, n: int | None = None,
             solo: int = -1) -> ProgramTimes:
@@ -84,84 +156,191 @@ class _HPlacer:
         return run_id_programs(programs, self.ids, self.durations, self.table, self.num_devices, prefix, horizon,
                                solo)
 
-    def relaxed_pace(self, trial: _Trial, prefix: TimedPrefix, n: int) -> float:
-        """A lower bound on the pace of every trial of rendezvous n + 1 after ``trial``: the end of the last
-        stage's next forward with that rendezvous's H on the last stage's device alone, run without waiting
-        for the other shards, and on no other device (fewer constraints: nothing ends later). -1 if that
-        forward is not timed."""
-        programs = list(trial.programs)
-        holder = list(programs[self.holder])
-        forward = self.forwards[n + 1]
-        h = self.ids.of(Action(VocabKind.H, self.holder, forward % self.m))
-        holder.insert(holder.index(forward) + 1, h)
-        programs[self.holder] = holder
-        return self.run(programs, prefix, n + 1, solo=h).end[self.forwards[n + 2]]
-
     def trials(self, programs: list[list[int]], times: ProgramTimes, prefix: TimedPrefix | None,
-               n: int) -> list[_Trial]:
-        """Every place for the n-th rendezvous that its meeting times give (``_meeting_times``)."""
+               n: int) -> list[_Place]:
+        """Every place for the n-th rendezvous that its meeting times give (``_meeting_times``), in the order
+        of those times, untimed. Each one's cheap bound: the rendezvous starts once the last device reaches its
+        H (no pass before a break moves earlier than it ran without this H), and the last stage's device then
+        runs its H and its passes up to its next forward (to its end after the last H) one after another."""
         forward = self.forwards[n]
-        k = forward % self.m
         lowest = prefix.cursor if prefix else (0,) * self.num_devices
-        after = programs[self.holder].index(forward) + 1  # the last stage's H: right after its F
+        free = prefix.free if prefix else (0.0,) * self.num_devices
+        holder = programs[self.holder]
+        after = holder.index(forward) + 1  # the last stage's H: right after its F
+        to = holder.index(self.forwards[n + 1]) + 1 if n + 1 < len(self.forwards) else len(holder)
+        busy = self.h_time + self.before[self.holder][to - n] - self.before[self.holder][after - n]
+        t_k = times.end[forward]
+        bounds = _Bounds(self, programs, times, prefix, n, after)
         out, seen = [], set()
-        for meet in _meeting_times(programs, times, lowest, times.end[forward], self.holder):
-            breaks = tuple(after if device == self.holder
-                           else _passes_by(program, times.end, lowest[device], times.cursor[device], meet)
-                           for device, program in enumerate(programs))
+        end, cursor = times.end, times.cursor
+        at = list(lowest)  # per device, after its passes that end by the meeting time (later meetings: no fewer)
+        at[self.holder] = after
+        for meet in _meeting_times(programs, times, lowest, t_k, self.holder):
+            for device, program in enumerate(programs):
+                if device != self.holder:
+                    i, timed = at[device], cursor[device]
+                    while i < timed and end[program[i]] <= meet + EPS:
+                        i += 1
+                    at[device] = i
+            breaks = tuple(at)
             if breaks in seen:
                 continue  # another meeting time gave the same places: the same trial
             seen.add(breaks)
-            trial = [[*program[:at], self.ids.of(Action(VocabKind.H, device, k)), *program[at:]]
-                     for device, (program, at) in enumerate(zip(programs, breaks))]
-            trial_times = self.run(trial, prefix, n)
-            if trial_times.end[trial[self.holder][after]] < 0:
-                continue  # H never meets: a device waits, before its H, on a pass that follows another's H
-            pace = (trial_times.end[self.forwards[n + 1]] if n + 1 < len(self.forwards)
-                    else max(trial_times.end[program[-1]] for program in trial))
-            if pace >= 0:
-                out.append(_Trial(pace, breaks, trial, trial_times))
+            arrival = t_k
+            for device, (program, i) in enumerate(zip(programs, breaks)):
+                reach = end[program[i - 1]] if i > lowest[device] else free[device]
+                if reach > arrival:
+                    arrival = reach
+            out.append(_Place(bounds, breaks, arrival + busy))
         return out
 
-    def best(self, trials: list[_Trial], n: int) -> tuple[_Trial, list[_Trial] | None]:
-        """The trial whose next rendezvous can come earliest (then the earliest pace itself): one step of
-        look-ahead, because a rendezvous that meets late can let the next one meet early. Returned with the
-        next rendezvous's trials after it where the look-ahead timed them (the next step starts from them)."""
-        if len(trials) == 1 or n + 1 == len(self.forwards):
-            return min(trials, key=lambda trial: round(trial.pace, 9)), None
-        # The same choice as looking ahead from every trial, with fewer runs: trials go in order of their own
-        # pace, and one whose next rendezvous cannot come before the best found so far is not looked ahead
-        # from. Its next pace (the end of the last stage's forward after next) is at least its own pace plus
-        # what the last stage's device runs in between, the next H included (one pass after another), and at
-        # least its relaxed pace (``relaxed_pace``: one run).
-        busy = self._busy_to_next_pace(trials[0].programs[self.holder], n)
-        best: tuple[tuple[float, float], int] | None = None
-        best_ahead: list[_Trial] | None = None
-        for i in sorted(range(len(trials)), key=lambda i: (round(trials[i].pace, 9), i)):
-            trial = trials[i]
-            if best is not None and busy is not None and trial.pace + busy - _BOUND_MARGIN > best[0][0]:
-                continue
-            prefix = _prefix_through(trial)
-            if best is not None and busy is not None and self.relaxed_pace(trial, prefix, n) - _BOUND_MARGIN > best[0][0]:
-                continue  # one run instead of one per trial of the next rendezvous
-            ahead = self.trials(trial.programs, trial.times, prefix, n + 1)
-            key = (round(min((t.pace for t in ahead), default=float("inf")), 9), round(trial.pace, 9))
-            if best is None or (key, i) < best:
-                best, best_ahead = (key, i), ahead
-        return trials[best[1]], best_ahead
-
-    def _busy_to_next_pace(self, program: list[int], n: int) -> float | None:
-        """What the last stage's device runs from the end of its forward of rendezvous n + 1 to the end of
-        its next one: the passes in between, that rendezvous's H and the forward itself (None: no next)."""
-        if n + 2 >= len(self.forwards):
+    def time_trial(self, programs: list[list[int]], prefix: TimedPrefix | None, n: int,
+                   breaks: tuple[int, ...]) -> _Trial | None:
+        """The trial of the n-th rendezvous at ``breaks``, timed; None where its H never meets (a device waits,
+        before its H, on a pass that follows another's H) or its pace is not timed."""
+        k = self.forwards[n] % self.m
+        trial = [program.copy() for program in programs]
+        for device, (program, at) in enumerate(zip(trial, breaks)):
+            program.insert(at, self.ids.of(Action(VocabKind.H, device, k)))
+        trial_times = self.run(trial, prefix, n)
+        if trial_times.end[trial[self.holder][breaks[self.holder]]] < 0:
             return None
-        at, to = program.index(self.forwards[n + 1]), program.index(self.forwards[n + 2])
-        h = self.ids.of(Action(VocabKind.H, self.holder, self.forwards[n + 1] % self.m))
-        return sum(self.durations[x // self.m] for x in program[at + 1:to + 1]) + self.durations[h // self.m]
+        pace = (trial_times.end[self.forwards[n + 1]] if n + 1 < len(self.forwards)
+                else max(trial_times.end[program[-1]] for program in trial))
+        return _Trial(pace, breaks, trial, trial_times) if pace >= 0 else None
+
+    def best(self, places: list[_Place], n: int) -> tuple[_Place, list[_Place] | None]:
+        """The place whose next rendezvous can come earliest (then the earliest pace itself, then the first in
+        meeting order): one step of look-ahead, because a rendezvous that meets late can let the next one meet
+        early. The last rendezvous has no next one: the earliest pace wins. Returned with the next rendezvous's
+        places after it where the look-ahead made them (the next step starts from them).
+
+        Branch and bound, with the choice of timing every place and looking ahead from every one: places are
+        timed in the order of their bounds only while a bound can still beat the best found by more than
+        ``_BOUND_MARGIN`` (``_in_order``). A place's next pace is at least its own pace plus what the last
+        stage's device runs in between (the next H included), and at least its next places' bounds, which
+        are timed in their order only while one can still be the earliest (``_earliest_pace``)."""
+        if n + 1 == len(self.forwards):
+            chosen: list[tuple[float, int]] = []
+            for i, trial in _in_order(places, lambda: chosen[0][0] if chosen else math.inf):
+                key = (round(trial.pace, 9), i)
+                if not chosen or key < chosen[0]:
+                    chosen[:] = [key]
+            return self._found(places, chosen[0] if chosen else None), None
+        busy = self._busy_to_next_pace(places[0]._bounds.programs[self.holder], n)
+        best: list = []  # [(key, index), its next pace unrounded, its next places]
+        for i, trial in _in_order(places, lambda: best[1] - busy if best else math.inf):
+            if best and trial.pace + busy - _BOUND_MARGIN > best[1]:
+                continue
+            place = places[i]
+            ahead = self.trials(trial.programs, trial.times, place.prefix_after(), n + 1)
+            next_pace = self._earliest_pace(ahead, best[1] if best else math.inf)
+            key = ((round(next_pace, 9), round(trial.pace, 9)), i)
+            if not best or key < best[0]:
+                best[:] = [key, next_pace, ahead]
+        return self._found(places, best[0] if best else None), best[2] if best else None
+
+    @staticmethod
+    def _earliest_pace(places: list[_Place], beat: float) -> float:
+        """The earliest pace of ``places``' trials (inf where none meets); or, where none can come within
+        ``_BOUND_MARGIN`` of ``beat``, some pace later than that (only places bounded that early are timed)."""
+        earliest = [math.inf]
+        for _, trial in _in_order(places, lambda: min(earliest[0], beat)):
+            earliest[0] = min(earliest[0], trial.pace)
+        return earliest[0]
+
+    def _found(self, places: list[_Place], best: tuple | None) -> _Place:
+        if best is None:
+            raise ScheduleError("no place for a vocabulary pass H")
+        return places[best[1]]
+
+    def _busy_to_next_pace(self, program: list[int], n: int) -> float:
+        """What the last stage's device runs from the end of its forward of rendezvous n + 1 to the end of its
+        next one (after the last, to its end): the passes in between, that rendezvous's H and the forward."""
+        at = program.index(self.forwards[n + 1])
+        to = program.index(self.forwards[n + 2]) + 1 if n + 2 < len(self.forwards) else len(program)
+        return sum(self.durations[x // self.m] for x in program[at + 1:to]) + self.h_time
 
 
-# Floating-point slack of that bound (times are in units of one pass): a trial is skipped only when its
-# bound is later than the best next pace by more than this.
+class _Bounds:
+    """Lower bounds on the pace of the n-th rendezvous's places (:meth:`pace`), without timing them.
+
+    Every trial holds the passes of the relaxed run (that H on the last stage's device alone, run without
+    waiting for the other shards, as ``run_id_programs``' ``solo_pass``; fewer constraints) and more, so no
+    pass of a trial ends earlier than there (nor than before this H). At a place, the rendezvous starts once
+    the last device reaches its H; a pass after its device's H ends no earlier than that H's end plus the
+    passes from there to it, one after another, nor than its inputs' bounds plus their delays and its own
+    time. The pace is the last stage's next forward's; after the last H, every device's last pass's."""
+
+    def __init__(self, placer: _HPlacer, programs: list[list[int]], times: ProgramTimes,
+                 prefix: TimedPrefix | None, n: int, after: int):
+        self.placer, self.programs, self.prefix, self.n, self.after = placer, programs, prefix, n, after
+        self.parent_end = times.end
+        self.lowest = prefix.cursor if prefix else (0,) * placer.num_devices
+        self.free = prefix.free if prefix else (0.0,) * placer.num_devices
+        self.t_k = times.end[placer.forwards[n]]
+        self.h = placer.ids.of(Action(VocabKind.H, placer.holder, placer.forwards[n] % placer.m))
+        self.pace_pass = placer.forwards[n + 1] if n + 1 < len(placer.forwards) else -1
+        self._relaxed: list[float] | None = None
+
+    def _ended(self, x: int) -> float:
+        """Pass ``x``'s end in the relaxed run, or before this H (0 where neither timed it)."""
+        if self._relaxed is None:  # one run, for the first place bounded
+            holder = list(self.programs[self.placer.holder])
+            holder.insert(self.after, self.h)
+            relaxed = list(self.programs)
+            relaxed[self.placer.holder] = holder
+            self._relaxed = self.placer.run(relaxed, self.prefix, self.n, solo=self.h).end
+        return max(self._relaxed[x], self.parent_end[x], 0.0)
+
+    def pace(self, breaks: tuple[int, ...]) -> float:
+        placer, n = self.placer, self.n
+        m, position, durations, row_device = placer.m, placer.position, placer.durations, placer.row_device
+        _, first, first_delay, second, second_delay = placer.table
+        arrival = self.t_k
+        for device, (program, at) in enumerate(zip(self.programs, breaks)):
+            if device != placer.holder:
+                reach = self._ended(program[at - 1]) if at > self.lowest[device] else self.free[device]
+                if reach > arrival:
+                    arrival = reach
+        ended = [arrival + h for h in placer.h_times]  # no device's H ends earlier
+        bound: dict[int, float] = {self.h: ended[placer.holder]}
+
+        def ends(x: int) -> float:
+            got = bound.get(x)
+            if got is not None:
+                return got
+            device = row_device[x // m]
+            index = position[x] + n if position[x] >= 0 else -1
+            got = self._ended(x)
+            if index >= breaks[device]:  # after its device's H
+                before = placer.before[device]
+                got = max(got, ended[device] + before[index + 1 - n] - before[breaks[device] - n])
+                k = x // m
+                ready = 0.0
+                if first[k]:
+                    ready = ends(x - first[k]) + first_delay[k]
+                if second[k]:
+                    ready = max(ready, ends(x - second[k]) + second_delay[k])
+                got = max(got, ready + durations[k])
+            bound[x] = got
+            return got
+
+        if self.pace_pass >= 0:
+            return ends(self.pace_pass)
+        makespan = 0.0
+        for device, program in enumerate(self.programs):
+            if len(program) > self.lowest[device]:
+                makespan = max(makespan, ends(program[-1]))
+        for x, got in bound.items():  # and each bounded pass's device runs its later passes after it
+            if position[x] >= 0:
+                before = placer.before[row_device[x // m]]
+                makespan = max(makespan, got + before[-1] - before[position[x] + 1])
+        return makespan
+
+
+# Floating-point slack of these bounds (times are in units of one pass): a place is passed over only when its
+# bound is later than what it must beat by more than this (inf: every place timed and looked ahead from).
 _BOUND_MARGIN = 1e-6
 
 
@@ -172,12 +351,14 @@ def _place_h(schedule: Schedule, costs: Costs) -> tuple[tuple[Action, ...], ...]
     programs = [[placer.ids.of(action) for action in program] for program in schedule.programs]
     times, prefix, ahead = placer.run(programs, None), None, None
     for n in range(len(placer.forwards)):
-        trials = ahead if ahead is not None else placer.trials(programs, times, prefix, n)
-        if not trials:
+        places = ahead if ahead is not None else placer.trials(programs, times, prefix, n)
+        try:
+            chosen, ahead = placer.best(places, n)
+        except ScheduleError:
             raise ScheduleError(f"{schedule.name}: no place for the vocabulary pass H of microbatch "
-                                f"{placer.forwards[n] % placer.m}")
-        chosen, ahead = placer.best(trials, n)
-        programs, times, prefix = chosen.programs, chosen.times, _prefix_through(chosen)
+                                f"{placer.forwards[n] % placer.m}") from None
+        trial = chosen.timed()
+        programs, times, prefix = trial.programs, trial.times, chosen.prefix_after()
     return tuple(tuple(placer.ids.action(x) for x in program) for program in programs)
 
 
@@ -194,14 +375,6 @@ def _meeting_times(programs: list[list[int]], times: ProgramTimes, lowest, t_k: 
                 meetings.add(times.end[program[i]])
                 break
     return sorted(meetings)
-
-
-def _passes_by(program: list[int], end: list[float], lowest: int, timed: int, meet: float) -> int:
-    """Index in ``program`` after its passes (from ``lowest`` on, of the first ``timed``) that end by ``meet``."""
-    at = lowest
-    while at < timed and end[program[at]] <= meet + EPS:
-        at += 1
-    return at
 
 
 def _prefix_through(trial: _Trial) -> TimedPrefix:
