@@ -109,7 +109,8 @@ def stop_data_loader_workers() -> None:
 
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-    for iterator in [o for o in gc.get_objects() if isinstance(o, _MultiProcessingDataLoaderIter)]:
+    # type(), not isinstance(): isinstance reads __class__, which a deprecated torch object answers with a warning
+    for iterator in [o for o in gc.get_objects() if issubclass(type(o), _MultiProcessingDataLoaderIter)]:
         iterator._shutdown_workers()  # torch's own shutdown, the one __del__ would run
 
 
