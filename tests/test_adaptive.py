@@ -262,3 +262,32 @@ def test_too_low_limit_names_the_lowest_reachable_value(d):
     assert lowest <= named <= lowest + 0.001
     schedule = v_auto(d, m, EQUAL, named)  # the value named in the message works
     assert simulate(schedule).peak_memory_max <= named * d + 1e-9
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 6, 8])
+def test_the_zero_bubble_shortcut_chooses_what_building_every_candidate_chooses(monkeypatch, d):
+    """Where a candidate that fits has no bubble (uniform stages), ``choose`` builds only the candidates whose
+    memory bound is not below d - 1/2 (the others keep device 0 idle before its first B, so they have a
+    bubble); the choice is the one of building them all, and every candidate it skips has a bubble."""
+    from megatron_vshape.schedules.generators import adaptive as module
+
+    for m in (d, 2 * d, 4 * d):
+        for costs in (Costs(), Costs(1, 1.1, 0.9, 0.05), Costs(1, 2.0, 0.5, 0.0)):
+            listed = module.candidates(d, m, costs)
+            for limit in (0.5, 0.75, 1.0):
+                try:
+                    fast = module.choose(d, m, costs, limit)
+                except ScheduleError:
+                    fast = None
+                with monkeypatch.context() as patched:
+                    patched.setattr(module, "_zero_bubble_choice", lambda *args: None)
+                    try:
+                        plain = module.choose(d, m, costs, limit)
+                    except ScheduleError:
+                        plain = None
+                assert (fast is None) == (plain is None)
+                if fast is not None:
+                    assert fast.candidate == plain.candidate and fast.schedule.programs == plain.schedule.programs
+            for i, candidate in enumerate(listed):
+                if candidate.memory_bound(costs) <= d - 0.5:
+                    assert module._evaluate(d, m, costs, i).bubble > 0

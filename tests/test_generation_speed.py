@@ -225,3 +225,19 @@ def test_builds_with_other_vocabulary_work_share_the_layers_order():
     for costs, programs in zip(builds, shared):
         registry._layers_order.cache_clear()
         assert get_schedule("v-half", 6, 12, costs).programs == programs
+
+
+def test_kept_simulations_are_the_simulations_of_that_schedule():
+    """A build's comparisons keep their simulations by the schedule object: the same object under the same
+    costs gets the kept result, which equals a fresh simulation; other costs or another object, its own."""
+    from megatron_vshape.schedules.generators.simulated import simulated
+
+    costs, other = Costs(1, 1.1, 0.9, 0.05), Costs(1, 1.3, 0.7, 0.2)
+    schedule = get_schedule("v-half", 6, 12, costs)
+    kept = simulated(schedule, costs)
+    assert simulated(schedule, costs) is kept
+    fresh = simulate(schedule, costs)
+    assert (kept.makespan, kept.bubble_rate, kept.peak_memory) == (fresh.makespan, fresh.bubble_rate, fresh.peak_memory)
+    assert simulated(schedule, other).makespan == simulate(schedule, other).makespan != kept.makespan
+    copy = dataclasses.replace(schedule)
+    assert simulated(copy, costs) is not kept and simulated(copy, costs).schedule is copy

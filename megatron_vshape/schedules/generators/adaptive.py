@@ -22,7 +22,8 @@ Enumerating blocks is cheap; evaluating one means repeat, squeeze and reorder. B
 therefore screened (``_screened_blocks``) and only a few per memory level are evaluated.
 
 Up to ``_EXACT_SEARCH_MAX_CELLS`` (devices x microbatches) the search is exact: every candidate is built at
-the requested size and its measured peak and bubble decide. Above it, building the whole family
+the requested size and its measured peak and bubble decide (where a candidate that fits has no bubble at all,
+the ones that provably have one are not built: ``_zero_bubble_choice``; the same choice). Above it, building the whole family
 (or even ranking it on shorter runs) takes minutes at d=64, so the candidates are the fixed
 schedules only (V-Min, V-Half, V-ZB, and the low greedy cap for limits below V-Min's memory), a
 candidate fits when its memory bound does (the full-size schedule never exceeds it), and the
@@ -40,6 +41,8 @@ from functools import lru_cache
 
 from ..core.actions import Kind
 from .adaptive_blocks import NAME, BlockCandidate, GapPattern, _named_blocks, candidate_blocks
+from .block_schedule import repeated
+from .simulated import simulated
 
 __all__ = ["DEFAULT_LIMIT", "NAME", "BlockCandidate", "Evaluated", "GapPattern", "GreedyCandidate", "candidate_blocks",
            "choose", "evaluate_candidates", "greedy_caps", "lowest_reachable_limit", "v_auto"]
@@ -170,7 +173,7 @@ def _screened_blocks(num_devices: int, costs: Costs, run_microbatches: int) -> l
     named = list(candidate_blocks(num_devices)[:2])
     kept, best_below = [], math.inf
     for _, shortlist in _shortlists(num_devices, costs, min(run_microbatches, _SCREEN_MICROBATCHES)):
-        squeezed = [(simulate(c.block.repeat(run_microbatches, NAME), costs).bubble_rate, i, c)
+        squeezed = [(simulated(repeated(c.block, run_microbatches, NAME), costs).bubble_rate, i, c)
                     for i, c in enumerate(shortlist)]
         bubble, _, best = min(squeezed, key=lambda item: item[:2])
         if bubble < best_below + _STAGE2_SLACK:
@@ -205,7 +208,7 @@ def _evaluate(num_devices: int, num_microbatches: int, costs: Costs, index: int)
         schedule = candidate.build(num_microbatches, costs)
     except ScheduleError:  # e.g. every greedy variant stalls under this cap: never choose it
         return Evaluated(candidate, math.inf, math.inf, exact)
-    result = simulate(schedule, costs)
+    result = simulated(schedule, costs)  # the build compared it already (block_schedule)
     return Evaluated(candidate, result.peak_memory_max, result.bubble_rate, exact, schedule)
 
 
@@ -246,9 +249,13 @@ def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: 
     otherwise the ``_PROXY_EVALUATED`` with the largest memory bounds).
     """
     _check_limit(memory_limit)
-    peaks = _peaks(num_devices, num_microbatches, costs)
     reference = one_f_one_b_peak(num_devices, costs)  # 1F1B's peak under the same per-stage memory
     budget = memory_limit * reference + _EPS
+    if _is_exact(num_devices, num_microbatches) and costs.uniform:
+        found = _zero_bubble_choice(num_devices, num_microbatches, costs, budget)
+        if found is not None:
+            return found
+    peaks = _peaks(num_devices, num_microbatches, costs)
     fitting = [i for i, peak in peaks if peak <= budget]
     if not fitting:
         lowest = min(peak for _, peak in peaks) / reference
@@ -269,6 +276,25 @@ def choose(num_devices: int, num_microbatches: int, costs: Costs, memory_limit: 
         raise ScheduleError(f"v-auto: no candidate schedule could be built within --memory-limit {memory_limit:g}; "
                             f"try a higher limit")
     return evaluated[best]
+
+
+def _zero_bubble_choice(num_devices: int, num_microbatches: int, costs: Costs, budget: float) -> Evaluated | None:
+    """:func:`choose`'s choice without building the candidates that cannot win it, where a candidate that fits
+    has no bubble at all (uniform stages; None where none does: every candidate is then built).
+
+    With uniform stages every device does the same work, so a schedule without bubble keeps device 0 busy
+    from its first pass to its last. Its first B (of the last stage, on device 0) waits for the forwards of
+    its microbatch through all 2d stages, which started on device 0 itself; until then device 0 can run only
+    forwards, at least 2d of them, each holding half a unit: its peak is at least d units (1F1B's). No
+    candidate exceeds its memory bound (``memory_bound``), so one bounded below d - 1/2 has a bubble, which
+    loses to none; the candidates left are built and the lowest (bubble, peak, index) wins, as in ``choose``."""
+    listed = candidates(num_devices, num_microbatches, costs)
+    open_ = [i for i, candidate in enumerate(listed) if candidate.memory_bound(costs) > num_devices - 0.5]
+    evaluated = {i: _evaluate(num_devices, num_microbatches, costs, i) for i in open_}
+    without = [i for i in open_ if evaluated[i].peak <= budget and evaluated[i].bubble <= 0.0]
+    if not without:
+        return None
+    return evaluated[min(without, key=lambda i: (evaluated[i].bubble, evaluated[i].peak, i))]
 
 
 @lru_cache(maxsize=64)

@@ -14,10 +14,10 @@ import math
 
 from ..core.inputs import EPS
 from ..core.schedule import Costs, Schedule
-from ..core.simulator import simulate
 from .block import BuildingBlock
 from .reorder import fill_idle
-from .slot_reorder import cooldown_follows_warmup, cooldown_starts, slot_schedule
+from .simulated import simulated, trim
+from .slot_reorder import block_key, cooldown_follows_warmup, cooldown_starts, slot_schedule
 
 # Above this many cells (devices x microbatches) only the slot reorder runs: the real-time
 # reorder replays the whole schedule per look-ahead step and takes minutes at d=64, m=512.
@@ -52,7 +52,7 @@ def schedule_from_block(block: BuildingBlock, num_microbatches: int, costs: Cost
     candidates = _distinct(candidates)
     if len(candidates) == 1:
         return candidates[0]
-    results = [simulate(c, costs) for c in candidates]
+    results = [simulated(c, costs) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (round(results[i].bubble_rate, 9), results[i].peak_memory_max, i))
     return candidates[best]
 
@@ -81,9 +81,9 @@ def _weighted_from_block(block: BuildingBlock, num_microbatches: int, costs: Cos
         candidates.append(_idle_filled(block, num_microbatches, costs, name))
     else:
         candidates = [slot_schedule(block, num_microbatches, name, math.inf)]
-    fallback = block.repeat(num_microbatches, name)
+    fallback = repeated(block, num_microbatches, name)
     candidates = _distinct([c for c in candidates if c is not None] + [fallback])
-    results = [simulate(c, costs) for c in candidates]
+    results = [simulated(c, costs) for c in candidates]
     fitting = [i for i, r in enumerate(results) if r.peak_memory_max <= bound] or \
         [next(i for i, c in enumerate(candidates) if c.programs == fallback.programs)]
     # At equal bubble and worst peak, the lower memory on the other devices: with several cool-down starts
@@ -97,10 +97,25 @@ def _weighted_from_block(block: BuildingBlock, num_microbatches: int, costs: Cos
 def _idle_filled(block: BuildingBlock, num_microbatches: int, costs: Costs, name: str) -> Schedule:
     """The repeated block with W at its own slots, idle time filled by ``fill_idle`` when that
     shortens the makespan under ``costs`` without raising any device's own peak."""
-    repeated = block.repeat(num_microbatches, name)
-    squeezed = simulate(repeated, costs)
+    plain = repeated(block, num_microbatches, name)
+    squeezed = simulated(plain, costs)
     reordered, makespan, reached = fill_idle(
-        repeated, costs, list(squeezed.peak_memory), lookahead=2 * block.placement.num_devices
+        plain, costs, list(squeezed.peak_memory), lookahead=2 * block.placement.num_devices
     )
     fits = all(new <= old + EPS for new, old in zip(reached, squeezed.peak_memory))
-    return reordered if fits and makespan < squeezed.makespan - EPS else repeated
+    return reordered if fits and makespan < squeezed.makespan - EPS else plain
+
+
+def repeated(block: BuildingBlock, num_microbatches: int, name: str) -> Schedule:
+    """``block.repeat``, kept for the last few (block, size, name): the idle filling starts from it, and
+    ``v-auto``'s screen simulates the same repeat first (``simulated`` keeps that result by the object)."""
+    key = (block_key(block), num_microbatches, name)
+    found = _REPEATED.pop(key, None)
+    if found is None:
+        found = block.repeat(num_microbatches, name)
+    _REPEATED[key] = found
+    trim(_REPEATED, lambda schedule: schedule)
+    return found
+
+
+_REPEATED: dict[tuple, Schedule] = {}

@@ -56,13 +56,27 @@ def fill_idle(
     wake = [0.0] * schedule.num_devices
     inf = float("inf")
 
+    # Per pass id: its ready time once every input is placed (it never changes after), else UNSET; and the
+    # input it last waited for (-1: none seen), so that a scan asks the rule again only once that one is placed.
+    known = [UNSET] * len(end_time)
+    waits_on = [-1] * len(end_time)
+
     def pick(device: int) -> int | None:
         todo_ids, todo_deltas = remaining_ids[device], remaining_deltas[device]
         running = 0.0  # cumulative memory change of the passes a pulled pass would jump over
         worst = 0.0
         earliest = inf
         for index in range(min(lookahead + 1, len(todo_ids))):
-            ready = ready_of(todo_ids[index], end_time)  # < 0: an input is missing
+            x = todo_ids[index]
+            ready = known[x]
+            if ready < 0:
+                missing = waits_on[x]
+                if missing < 0 or end_time[missing] >= 0:
+                    ready = ready_of(x, end_time)  # < 0: an input is missing
+                    if ready >= 0:
+                        known[x] = ready
+                    else:
+                        waits_on[x] = int(-1.0 - ready)
             change = todo_deltas[index]
             if 0 <= ready <= now + _EPS:
                 if index == 0 or level[device] + change + worst <= peaks[device] + _EPS:

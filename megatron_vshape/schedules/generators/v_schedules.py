@@ -19,6 +19,7 @@ from ..core.simulator import simulate
 from .block import BuildingBlock, fill_w
 from .block_schedule import schedule_from_block
 from .local_search import Evaluations, pull_into_waits
+from .simulated import simulated
 from .solved import solved_for
 from .zero_bubble import GreedyFamily, best_greedy
 
@@ -159,14 +160,14 @@ def _best_within(own: Schedule, costs: Costs, alternatives) -> Schedule:
     """``own``, or the alternative with the smallest makespan whose peak is no larger (ties: ``own``)."""
     if not alternatives:  # d > 8 and no cached cell: nothing to compare, so no simulation (0.4 s at d=64)
         return own
-    best, best_result, label = own, simulate(own, costs), None
+    best, best_result, label = own, simulated(own, costs), None
     caps = _memory_caps(best_result, costs)
     for name, build in alternatives:
         try:
             schedule = build()
         except ScheduleError:  # e.g. the greedy stalls under this cap
             continue
-        result = simulate(schedule, costs)
+        result = simulated(schedule, costs)
         fits = all(got <= cap + EPS for got, cap in zip(result.peak_memory, caps))
         if fits and result.makespan < best_result.makespan - EPS:
             best, best_result, label = schedule, result, name
