@@ -24,6 +24,7 @@ from ..core.inputs import EPS
 from ..core.schedule import Costs, MemoryModel, PlacementKind, Schedule, ScheduleError, one_f_one_b_peak
 from ..core.simulator import simulate
 from . import adaptive, baselines, pairing, v_schedules, zero_bubble
+from .simulated import simulated
 from .vocab_passes import with_vocab_passes
 
 # The order built for uniform stages replaces the stage-built one only when shorter by more than this share
@@ -158,7 +159,7 @@ class ScheduleSpec:
         uniform = _uniform_built(self.name, dataclasses.replace(request, costs=costs.with_stages(())))
         if uniform is None:
             return own
-        mine, theirs = simulate(own, costs, memory), simulate(uniform, costs, memory)
+        mine, theirs = simulated(own, costs, memory), simulate(uniform, costs, memory)
         if theirs.makespan >= mine.makespan * (1 - UNIFORM_ORDER_MARGIN):
             return own
         factor = self.memory_factor

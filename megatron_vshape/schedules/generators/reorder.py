@@ -49,10 +49,10 @@ def fill_idle(
     events = [0.0]
     now = 0.0
     left = sum(len(p) for p in remaining)
-    # A device whose look-ahead found nothing to start stays so until a pass that feeds it is placed
-    # (``stale``) or ``now`` reaches the earliest ready time it saw (``wake``): only then is it scanned
-    # again (the same choices as scanning at every event, without the repeated scans).
-    stale = [True] * schedule.num_devices
+    # A device whose look-ahead found nothing to start stays so until ``now`` reaches the earliest ready time
+    # it saw, or the end of a pass placed since that may feed it (a pass is ready no earlier than its inputs
+    # end): ``wake``. Only then is it scanned again (the same choices as scanning at every event, without the
+    # repeated scans: its look-ahead, level and inputs change only with those).
     wake = [0.0] * schedule.num_devices
     inf = float("inf")
 
@@ -88,14 +88,14 @@ def fill_idle(
             running += change
             if running > worst:
                 worst = running
-        stale[device], wake[device] = False, earliest
+        wake[device] = earliest
         return None
 
     while left:
         for device in range(schedule.num_devices):
             if free_at[device] > now + _EPS or not remaining[device]:
                 continue
-            if not stale[device] and now + _EPS < wake[device]:
+            if now + _EPS < wake[device]:
                 continue
             index = pick(device)
             if index is None:
@@ -116,8 +116,8 @@ def fill_idle(
             # The passes this one feeds are on the devices of its stage and the stages beside it.
             stage = action.stage
             for neighbour in (stage - 1, stage, stage + 1):
-                if 0 <= neighbour < num_stages:
-                    stale[stage_device[neighbour]] = True
+                if 0 <= neighbour < num_stages and end < wake[stage_device[neighbour]]:
+                    wake[stage_device[neighbour]] = end
         while events and events[0] <= now + _EPS:
             heapq.heappop(events)
         if left and not events:  # cannot happen for a valid input order; fail loudly if it does
