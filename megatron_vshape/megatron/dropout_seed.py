@@ -107,7 +107,13 @@ def reseed_streams(base: int, tp_rank: int) -> None:
     """Reseed the default generators and megatron's tensor-/expert-parallel tracker states."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    torch.manual_seed(base)  # CPU and every CUDA device
+    if torch.cuda.is_available():
+        torch.manual_seed(base)  # CPU and every CUDA device
+    else:
+        # What torch.manual_seed does on a machine without accelerators, without its calls into the CUDA, XPU
+        # and MTIA modules: each of those, not initialised, queues the seed with a formatted stack trace
+        # (about a third of this function's CPU, at one call per layer per microbatch).
+        torch.default_generator.manual_seed(base)
     states = getattr(mrandom.get_cuda_rng_tracker(), "states_", None)
     if not isinstance(states, dict):
         return
