@@ -265,12 +265,11 @@ class _HPlacer:
 class _Bounds:
     """Lower bounds on the pace of the n-th rendezvous's places (:meth:`pace`), without timing them.
 
-    Every trial holds the passes of the relaxed run (that H on the last stage's device alone, run without
-    waiting for the other shards, as ``run_id_programs``' ``solo_pass``; fewer constraints) and more, so no
-    pass of a trial ends earlier than there (nor than before this H). At a place, the rendezvous starts once
-    the last device reaches its H; a pass after its device's H ends no earlier than that H's end plus the
-    passes from there to it, one after another, nor than its inputs' bounds plus their delays and its own
-    time. The pace is the last stage's next forward's; after the last H, every device's last pass's."""
+    Every trial holds the passes timed before this H and more, so no pass of a trial ends earlier than it
+    did there. At a place, the rendezvous starts once the last device reaches its H; a pass after its
+    device's H ends no earlier than that H's end plus the passes from there to it, one after another, nor
+    than its inputs' bounds plus their delays and its own time. The pace is the last stage's next forward's;
+    after the last H, every device's last pass's."""
 
     def __init__(self, placer: _HPlacer, programs: list[list[int]], times: ProgramTimes,
                  prefix: TimedPrefix | None, n: int, after: int):
@@ -281,17 +280,11 @@ class _Bounds:
         self.t_k = times.end[placer.forwards[n]]
         self.h = placer.ids.of(Action(VocabKind.H, placer.holder, placer.forwards[n] % placer.m))
         self.pace_pass = placer.forwards[n + 1] if n + 1 < len(placer.forwards) else -1
-        self._relaxed: list[float] | None = None
 
     def _ended(self, x: int) -> float:
-        """Pass ``x``'s end in the relaxed run, or before this H (0 where neither timed it)."""
-        if self._relaxed is None:  # one run, for the first place bounded
-            holder = list(self.programs[self.placer.holder])
-            holder.insert(self.after, self.h)
-            relaxed = list(self.programs)
-            relaxed[self.placer.holder] = holder
-            self._relaxed = self.placer.run(relaxed, self.prefix, self.n, solo=self.h).end
-        return max(self._relaxed[x], self.parent_end[x], 0.0)
+        """Pass ``x``'s end before this H (0 where that run did not time it)."""
+        end = self.parent_end[x]
+        return end if end > 0.0 else 0.0
 
     def pace(self, breaks: tuple[int, ...]) -> float:
         placer, n = self.placer, self.n
@@ -307,24 +300,31 @@ class _Bounds:
         bound: dict[int, float] = {self.h: ended[placer.holder]}
 
         def ends(x: int) -> float:
-            got = bound.get(x)
-            if got is not None:
-                return got
-            device = row_device[x // m]
-            index = position[x] + n if position[x] >= 0 else -1
-            got = self._ended(x)
-            if index >= breaks[device]:  # after its device's H
+            """``x``'s bound, its inputs' first (a stack, not recursion: the chains run through every stage)."""
+            stack = [x]
+            while stack:
+                y = stack[-1]
+                if y in bound:
+                    stack.pop()
+                    continue
+                device = row_device[y // m]
+                index = position[y] + n if position[y] >= 0 else -1
+                got = self._ended(y)
+                if index < breaks[device]:  # before its device's H: timed before this H, or in the prefix
+                    bound[stack.pop()] = got
+                    continue
+                k = y // m
+                inputs = [(y - offset, delay) for offset, delay in ((first[k], first_delay[k]),
+                                                                    (second[k], second_delay[k])) if offset]
+                missing = [z for z, _ in inputs if z not in bound]
+                if missing:
+                    stack.extend(missing)
+                    continue
                 before = placer.before[device]
                 got = max(got, ended[device] + before[index + 1 - n] - before[breaks[device] - n])
-                k = x // m
-                ready = 0.0
-                if first[k]:
-                    ready = ends(x - first[k]) + first_delay[k]
-                if second[k]:
-                    ready = max(ready, ends(x - second[k]) + second_delay[k])
-                got = max(got, ready + durations[k])
-            bound[x] = got
-            return got
+                ready = max((bound[z] + delay for z, delay in inputs), default=0.0)
+                bound[stack.pop()] = max(got, ready + durations[k])
+            return bound[x]
 
         if self.pace_pass >= 0:
             return ends(self.pace_pass)
