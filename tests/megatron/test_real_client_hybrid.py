@@ -85,8 +85,7 @@ def _losses(row: dict) -> dict:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
-@pytest.mark.parametrize("schedule", [pytest.param(name, marks=pytest.mark.extended) if name == "zb-1p" else name
-                                      for name in SCHEDULES_PP2])
+@pytest.mark.parametrize("schedule", SCHEDULES_PP2)  # all in the default tier, which runs megatron_1f1b anyway
 def test_every_schedule_trains_hybrid_model_like_megatron_1f1b(mc19_python, client_dir, megatron_1f1b,  # noqa: F811
                                                                schedule):
     losses = train(mc19_python, hybrid(client_dir), schedule, 2, ["--hybrid-layer-pattern", PATTERN, *MOE], [1, 2, 3])
@@ -173,7 +172,7 @@ def test_vocab_parallel_trains_hybrid_model_like_megatron_1f1b(megatron_1f1b, v_
     assert (checkpoints / "hybrid-vocab" / "iter_0000002").is_dir()
 
 
-@pytest.mark.extended  # two launches that resume across the flag: -m extended
+# In the default tier, beside its two fixtures' launches (in the extended tier alone it ran them again for its two)
 @pytest.mark.timeout(3 * RUN_TIMEOUT + 60)
 def test_hybrid_checkpoints_resume_across_the_vocab_flag_both_ways(mc19_python, client_dir, megatron_1f1b,  # noqa: F811
                                                                     v_zb_vocab, checkpoints):
