@@ -1,6 +1,10 @@
 """Every registry schedule through the NCCL model, PP 2..N, m in {min, d, 2d} (both queue settings).
 
-    python scripts/nccl_model_check.py [--max-pp 16] [--schedules v-half,v-zb]
+    python scripts/nccl_model_check.py [--max-pp 16] [--schedules v-half,v-zb] [--a2a 1 [--moe-layers 1]]
+
+``--a2a``: the schedules built with overlapped F&B pairs (the all-to-all cost, in units of F), and every F and
+B recording its expert-parallel all-to-alls (``--moe-layers`` MoE layers per stage) on the expert queue, run
+as EP 2 replicas (issue 43).
 
 What ``tests/runtime/test_p2p_nccl_model.py`` checks in CI, as a command for a wider sweep. The
 programs are the lowering chain's (``schedules/lowering/program.py``), the ones the executor runs.
@@ -13,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from megatron_vshape.schedules.core.schedule import Costs
 from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
 from megatron_vshape.schedules.lowering.messages import CommError
 from megatron_vshape.schedules.lowering.nccl_model import check_program
@@ -23,15 +28,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-pp", type=int, default=16, help="largest pipeline size (default 16)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated names (default all)")
+    parser.add_argument("--a2a", type=float, default=0.0, help="all-to-all cost per F and B (pairs; default 0: none)")
+    parser.add_argument("--moe-layers", type=int, default=1, help="with --a2a: MoE layers per stage (default 1)")
     args = parser.parse_args(argv)
+    costs = Costs(a2a=args.a2a)
     failures = 0
     for name in args.schedules.split(","):
         start, runs = time.monotonic(), 0
         for d in range(2, args.max_pp + 1):
             low = SCHEDULES[name].min_microbatches(d)
             for m in sorted({low, max(low, d), 2 * d}):
-                schedule = get_schedule(name, d, m)
-                train, evaluate = lower_program(schedule), lower_program(schedule, forward_only_call=True)
+                schedule = get_schedule(name, d, m, costs)
+                expert = (args.moe_layers,) * schedule.num_stages if args.a2a else ()
+                train = lower_program(schedule, costs, expert_layers=expert)
+                evaluate = lower_program(schedule, costs, forward_only_call=True, expert_layers=expert)
                 for single_queue in (True, False):
                     runs += 1
                     try:

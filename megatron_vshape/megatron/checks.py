@@ -21,6 +21,7 @@ from .feature_checks import (
     check_context_parallel,
     check_cpu_backend,
     check_cpu_features,
+    check_moe_overlap,
     check_moe_tensor_parallel,
     check_split_conflicts,
     check_te_split,
@@ -282,7 +283,7 @@ CHECKS: tuple[Check, ...] = (
     check_pipeline_size, check_world_size, check_memory_limit, check_pipeline_layout, check_v_layers,
     check_v_layout_flags, check_single_chunk_flags, check_interleaved_has_chunks, check_microbatches, check_cpu_backend,
     check_cpu_features, check_moe_tensor_parallel, check_context_parallel, check_split_conflicts, check_te_split,
-    check_pipeline_costs, check_watchdog, check_save_writable, check_vocab_parallel,
+    check_moe_overlap, check_pipeline_costs, check_watchdog, check_save_writable, check_vocab_parallel,
 )
 # Checks that read what Megatron's validate_args derives (the padded vocabulary, megatron-core 0.19's
 # default --tensor-parallel-num-weight-shards): run before it, like every check, and again after it (and before

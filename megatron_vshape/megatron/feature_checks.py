@@ -12,7 +12,7 @@ import enum
 from collections.abc import Callable
 from importlib import metadata
 
-from . import hybrid_pattern
+from . import hybrid_pattern, moe_overlap
 from .flags import SPLIT_SPEC_ARG, TE_SPLIT_SPEC_ARG, effective, schedule_of, splits_backward
 from .sizes import Sizes
 from .startup_schedule import schedule_for_run
@@ -79,7 +79,6 @@ _SPLIT_CONFLICTS = (
     ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", "the schedule already defers W"),
     ("--tp-comm-overlap", "tp_comm_overlap",
      "it needs Transformer Engine >= 2.3's linears, which defer W through backward_dw()"),
-    ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", "it has its own wgrad schedule"),
     ("--cpu-offloading-num-layers", "cpu_offloading_num_layers", "offloading hooks assume a fused backward"),
     ("--moe-grouped-gemm", "moe_grouped_gemm",
      "Transformer Engine's grouped expert GEMM computes its weight gradients itself and is not split yet"),
@@ -102,6 +101,11 @@ def check_split_conflicts(args, sizes) -> str | None:
             return (f"{flag} conflicts with --pipeline-schedule {name} ({why}); drop {flag} or use a "
                     "schedule without B/W split (1f1b, interleaved-1f1b, gpipe)")
     return None
+
+
+def check_moe_overlap(args, sizes) -> str | None:
+    """--overlap-moe-expert-parallel-comm: where it cannot run (moe_overlap.py)."""
+    return moe_overlap.problem(args, lambda: split_route(args) is SplitRoute.TE_DEFERRAL)
 
 
 def installed_te_version() -> tuple[int, ...] | None:

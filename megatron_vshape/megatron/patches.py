@@ -52,7 +52,7 @@ TESTED = (
     TestedVersion("0.16.1"),
     TestedVersion("0.19.2"),
     TestedVersion("0.20.0", commit="d98e8a64",
-                  fingerprint="445e856335bed0dd637cbe4988143d2e9eba1a45afdcae0bcd734c5b9468a623"),
+                  fingerprint="d367aa76e27f7cd951c3ca034c20f226b72f90f4bbafa1d4a6ceafa25dd3752c"),
 )
 TESTED_VERSIONS = tuple(str(tested) for tested in TESTED)
 
@@ -69,6 +69,7 @@ class Group(enum.Enum):
     CPU = "cpu"  # enable_cpu_mode(): --cpu and the CPU tests (megatron-core only)
     TRAINING_CPU = "training-cpu"  # enable_training_cpu_mode(): --cpu with megatron.training
     HYBRID = "hybrid"  # hybrid_spec.install(): runs with --hybrid-layer-pattern (HybridModel)
+    MOE_OVERLAP = "moe-overlap"  # --overlap-moe-expert-parallel-comm under a V schedule (runtime/combined_step.py)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,12 @@ _RANDOM = "megatron.core.tensor_parallel.random"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer"
 _FULLY_PARALLEL = "megatron.core.dist_checkpointing.strategies.fully_parallel"
 _PP_UTILS = "megatron.core.pipeline_parallel.utils"
+_COMBINED = "megatron.core.pipeline_parallel.combined_1f1b"
+_COMBINED_STEP = ("forward_step_func", "data_iterator", "f_model", "num_microbatches", "input_tensor",
+                  "forward_data_store", "b_model", "b_input_tensor", "b_output_tensor", "b_output_tensor_grad",
+                  "config", "f_model_chunk_id", "pre_forward", "pre_backward", "post_forward", "post_backward",
+                  "collect_non_loss_data", "checkpoint_activations_microbatch", "is_first_microbatch",
+                  "current_microbatch")
 _FORWARD_STEP = ("forward_step_func", "data_iterator", "model", "num_microbatches", "input_tensor",
                  "forward_data_store", "config", "cp_group_size", "collect_non_loss_data",
                  "checkpoint_activations_microbatch", "is_first_microbatch", "current_microbatch", "vp_stage",
@@ -123,6 +130,16 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_PP_UTILS, "set_streams", ("comm_stream",), Group.CPU, Match.CONTAINS),
     Patch(_PP_UTILS, "get_comm_stream", (), Group.CPU),
     Patch(_PP_UTILS, "ScheduleNode", None, Group.CPU),
+    # runtime/combined_step.py: the executor's F, B and F&B pairs under --overlap-moe-expert-parallel-comm call
+    # Megatron's combined 1F1B step by position and keyword (issue 43). Checked when the flag runs under a V
+    # schedule (moe_overlap.check_moe_overlap): a megatron-core without it refuses the flag in one line.
+    COMBINED_STEP := Patch(_COMBINED, "combined_forward_backward_step", _COMBINED_STEP, Group.MOE_OVERLAP,
+                           Match.LEADING),
+    # ... and replaces schedules.forward_step_calc_loss for that call, adding is_last_stage (and cp_group_size):
+    # the combined step asks parallel_state, which does not know a V's last stage outside megatron.training.
+    Patch("megatron.core.pipeline_parallel.schedules", "forward_step_calc_loss",
+          ("model", "output_tensor", "loss_func", "config", "vp_stage", "collect_non_loss_data", "num_microbatches",
+           "forward_data_store", "cp_group_size", "is_last_stage"), Group.MOE_OVERLAP),
     # model_chunks.install_checkpoint_fixes: a V's tied copies in a fully parallel save; the fully_reshardable
     # optimizer save's bucket offsets (megatron-core < 0.20)
     Patch(_FULLY_PARALLEL, "distribute_main_replicas_with_precomputed_distribution",

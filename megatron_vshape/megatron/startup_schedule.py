@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from . import pipeline_layout
+from . import moe_overlap, pipeline_layout
 from .flags import AUTO_SCHEDULE, parse_pipeline_costs, schedule_of
 from .sizes import Sizes
 
@@ -29,6 +29,8 @@ def costs_for_run(args):
     costs = pipeline_layout.schedule_costs(args, base)
     if getattr(args, "pipeline_vocab_parallel", False):
         costs = replace(costs, vocab=pipeline_layout.vocab_work(args))
+    if moe_overlap.wants_pairs(args) and not costs.a2a:  # overlapped F&B pairs (issue 43)
+        costs = replace(costs, a2a=moe_overlap.DEFAULT_A2A)
     return costs
 
 

@@ -22,7 +22,7 @@ from megatron_vshape.schedules.core.schedule import PlacementKind
 from megatron_vshape.schedules.lowering.messages import Message, Payload
 from megatron_vshape.schedules.lowering.program import ProgramStep
 
-from . import compat
+from . import combined_step, compat
 from .active_stage import running_stage
 from .grad_finish import GradSyncControl, v_pg_collection
 from .grad_sync import BucketLauncher
@@ -57,6 +57,11 @@ class Iteration:
         self.first_val_step = call.first_val_step
         self.force_all_reduce = call.force_all_reduce
         self.vocab = self._vocab_passes(call)
+        # --overlap-moe-expert-parallel-comm: every training F and B through Megatron's combined 1F1B step, an
+        # overlapped pair as one call of it (combined_step.py)
+        self.combined = combined_step.enabled(self.config, self.forward_only)
+        if self.combined and self.vocab is not None:
+            raise ValueError("--overlap-moe-expert-parallel-comm does not run with --pipeline-vocab-parallel; drop one")
         self.chunks = self._make_chunks(models, call.data_iterator)
         self.plan = setup.program.ranks[self.rank]  # this rank's steps and p2p program (the lowering chain's)
         self.deferred = self.plan.deferred()
@@ -145,30 +150,42 @@ class Iteration:
                 iterator = self.vocab.prologue(first.data_iterator if first is not None else None)
                 if first is not None:
                     first.data_iterator = iterator
-            for index, step in enumerate(self.plan.steps):
+            steps = self.plan.steps
+            for index, step in enumerate(steps):
+                if index > 0 and steps[index - 1].overlaps_next and self.combined:
+                    continue  # the B of a pair: it ran with its F
+                # an overlapped pair (its F's step, then its B's) runs as one call of Megatron's combined step
+                unit = ((index, step), (index + 1, steps[index + 1])) if step.overlaps_next and self.combined \
+                    else ((index, step),)
                 progress.at("the p2p exchange before a pass", index, str(step.action))
-                for chunk_index in step.gathers_params_of:
-                    self._sync_params(chunk_index)
-                exchange.advance(index)  # the sends and receives the p2p program posts before this step
-                self._receive(step, exchange)
+                for at, part in unit:
+                    for chunk_index in part.gathers_params_of:
+                        self._sync_params(chunk_index)
+                    exchange.advance(at)  # the sends and receives the p2p program posts before this step
+                    self._receive(part, exchange)
                 progress.at("a pass", index, str(step.action))
                 if spans is not None:
                     spans.mark(Category.BOOKKEEPING)
                 start = time.perf_counter()
-                timed = clock.start() if clock is not None and self._tells_cost(step.action) else None
-                self._run(step.action, exchange, step)
+                timed = (clock.start() if clock is not None and len(unit) == 1 and self._tells_cost(step.action)
+                         else None)
+                if len(unit) == 2:
+                    self._pair(step, unit[1][1], exchange)
+                else:
+                    self._run(step.action, exchange, step)
                 if spans is not None:
-                    spans.mark(Category(step.action.kind.value), str(step.action))
+                    spans.mark(Category(step.action.kind.value), " & ".join(str(part.action) for _, part in unit))
                 if timed is not None:
                     clock.stop(step.action.kind, self.placement.layer_scale, timed, step.action.stage)
-                if pass_times is not None:
-                    pass_times.append((step.action, start, time.perf_counter()))
-                progress.finished(str(step.action))
-                self.launcher.after_pass(index, step.action.stage, step.action.kind)
-                # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
-                # their reductions wait until the whole iteration's backward is done.
-                for chunk_index in () if self.reduce_after_loop else step.reduces_grads_of:
-                    grad_sync.start(chunk_index)
+                for at, part in unit:
+                    if pass_times is not None:
+                        pass_times.append((part.action, start, time.perf_counter()))
+                    progress.finished(str(part.action))
+                    self.launcher.after_pass(at, part.action.stage, part.action.kind)
+                    # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
+                    # their reductions wait until the whole iteration's backward is done.
+                    for chunk_index in () if self.reduce_after_loop else part.reduces_grads_of:
+                        grad_sync.start(chunk_index)
             progress.at("the p2p exchange after the last pass")
             exchange.finish()
             if self.setup.watchdog is not None and torch.cuda.is_available():
@@ -246,15 +263,28 @@ class Iteration:
             self.vocab.hand_embedding(mb)
         if self.vocab is not None and last:
             forward_step_func = self.vocab.wrap_last_forward(forward_step_func, mb)
-        output, num_tokens = compat.forward_step(
-            forward_step_func=forward_step_func, data_iterator=chunk.data_iterator,
-            model=chunk.model, num_microbatches=self.num_microbatches, input_tensor=input_tensor,
-            forward_data_store=store, config=self.config, cp_group_size=self.cp_size,
-            collect_non_loss_data=self.collect_non_loss_data,
-            is_first_microbatch=_first_val_step(self.first_val_step, self.forward_only, mb == 0),
-            current_microbatch=mb, vp_stage=chunk.vp_stage, is_last_stage=chunk.is_last_stage,
-        )
+        if self.combined:
+            output, num_tokens, _ = combined_step.combined_step(
+                forward_step_func=forward_step_func, config=self.config, num_microbatches=self.num_microbatches,
+                forward_data_store=store, f_chunk=chunk, f_input=input_tensor,
+                collect_non_loss_data=self.collect_non_loss_data, is_first_microbatch=mb == 0, current_microbatch=mb,
+                cp_size=self.cp_size)
+        else:
+            output, num_tokens = compat.forward_step(
+                forward_step_func=forward_step_func, data_iterator=chunk.data_iterator,
+                model=chunk.model, num_microbatches=self.num_microbatches, input_tensor=input_tensor,
+                forward_data_store=store, config=self.config, cp_group_size=self.cp_size,
+                collect_non_loss_data=self.collect_non_loss_data,
+                is_first_microbatch=_first_val_step(self.first_val_step, self.forward_only, mb == 0),
+                current_microbatch=mb, vp_stage=chunk.vp_stage, is_last_stage=chunk.is_last_stage,
+            )
         self._keep_loss_step(mb, store, num_tokens)
+        self._after_forward(action, output, exchange, step)
+
+    def _after_forward(self, action: Action, output, exchange: PlanExchange, step: ProgramStep) -> None:
+        """An F's output: to its consumer, and kept for its B (or, with vocabulary passes, for its H)."""
+        chunk, mb = self.chunk_of(action.stage), action.microbatch
+        last = action.stage == self.placement.num_stages - 1
         if self.vocab is not None and last:
             self.vocab.record_labels(mb)
             chunk.outputs[mb] = output  # its H reads it (and deallocates it when training)
@@ -278,11 +308,49 @@ class Iteration:
         capture = (self.wgrad.capture((chunk.index, mb), chunk.model, self.setup.schedule_name)
                    if step.defers_w else contextlib.nullcontext())
         with capture, self.launcher.deferred_b(step.defers_w):
-            input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+            if self.combined:
+                _, _, input_grad = combined_step.combined_step(
+                    forward_step_func=self.forward_step_func, config=self.config,
+                    num_microbatches=self.num_microbatches, forward_data_store=[], b_chunk=chunk,
+                    b_input=input_tensor, b_output=output, b_output_grad=output_grad, cp_size=self.cp_size)
+            else:
+                input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+        self._after_backward(action, input_grad, exchange, step)
+
+    def _after_backward(self, action: Action, input_grad, exchange: PlanExchange, step: ProgramStep) -> None:
+        """A B's input gradient: to the previous stage (or, on the first stage, the vocabulary embedding's)."""
+        mb = action.microbatch
         if action.stage > 0:
             self._deliver(action, input_grad, Payload.GRADIENT, exchange, step)
         elif self.vocab is not None:
             self.vocab.take_embedding_grad(mb)
+
+    def _pair(self, f_step: ProgramStep, b_step: ProgramStep, exchange: PlanExchange) -> None:
+        """An overlapped F&B pair: one call of Megatron's combined step (combined_step.py). The B's weight
+        gradients are captured for its W as for a B alone; the stage that answers Megatron's first/last-stage
+        questions is the F's (its batch and loss are the ones read during the call)."""
+        forward, backward = f_step.action, b_step.action
+        f_chunk, b_chunk = self.chunk_of(forward.stage), self.chunk_of(backward.stage)
+        f_mb, b_mb = forward.microbatch, backward.microbatch
+        f_input = f_chunk.inputs.get(f_mb) if forward.stage > 0 else None
+        output_grad = None if b_chunk.is_last_stage else b_chunk.output_grads.pop(b_mb)
+        b_input = b_chunk.inputs.pop(b_mb, None)
+        b_output = b_chunk.outputs.pop(b_mb)
+        capture = (self.wgrad.capture((b_chunk.index, b_mb), b_chunk.model, self.setup.schedule_name)
+                   if b_step.defers_w else contextlib.nullcontext())
+        store: list = []
+        with running_stage(forward.stage, self.placement.num_stages), capture, \
+                self.launcher.deferred_b(b_step.defers_w):
+            output, num_tokens, input_grad = combined_step.combined_step(
+                forward_step_func=self.forward_step_func, config=self.config, num_microbatches=self.num_microbatches,
+                forward_data_store=store, f_chunk=f_chunk, f_input=f_input, b_chunk=b_chunk, b_input=b_input,
+                b_output=b_output, b_output_grad=output_grad, collect_non_loss_data=self.collect_non_loss_data,
+                is_first_microbatch=f_mb == 0, current_microbatch=f_mb, cp_size=self.cp_size)
+        self._keep_loss_step(f_mb, store, num_tokens)
+        with running_stage(forward.stage, self.placement.num_stages):
+            self._after_forward(forward, output, exchange, f_step)
+        with running_stage(backward.stage, self.placement.num_stages):
+            self._after_backward(backward, input_grad, exchange, b_step)
 
     def _vocab_h(self, mb: int) -> None:
         """H(k): on the last stage's rank its output goes in and the gradient for its B comes out."""

@@ -7,6 +7,12 @@ split backward). The reference is the same GPT in one process (all experts local
 the ordinary fused backward); each pipeline run does ``iterations`` iterations on the same weights
 and data and compares the gradients of every one with the reference.
 
+``overlap_moe`` runs every training pass through Megatron's combined 1F1B step and the schedule's overlapped
+F&B pairs as one call of it (``--overlap-moe-expert-parallel-comm``, ``runtime/combined_step.py``; the
+schedule built at an all-to-all cost of 1 x F, so that it pairs). Megatron's config wants bf16 for the flag
+(a rule about its GPU kernels); here the flag is set on an fp32 config after its checks, so the combined
+path's maths is compared with the one-process fp32 reference at the same tolerance as every other run.
+
 ``sync_bucket_launch`` makes every bucket reduction complete at its launch: a bucket launched before
 the last W of one of its weights then ends up with that W's contribution un-reduced, which the
 gradient check sees deterministically. Without it the launch is asynchronous, as in a real run (gloo's
@@ -50,6 +56,7 @@ class RecipeSpec:
     sync_bucket_launch: bool = False
     bucket_size: int | None = 2000  # small buckets: several per chunk, so launches are per bucket
     model: ModelSettings = ModelSettings(num_layers=8)
+    overlap_moe: bool = False  # every pass through Megatron's combined 1F1B step, pairs as one call of it
 
     @property
     def world_size(self) -> int:
@@ -64,12 +71,31 @@ def make_config(spec: RecipeSpec, pp: int, vp: int | None, ep: int, recompute: s
     moe = {} if spec.num_experts is None else dict(
         num_moe_experts=spec.num_experts, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
         moe_aux_loss_coeff=1e-2, expert_model_parallel_size=ep, moe_grouped_gemm=False)
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, add_bias_linear=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp, gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True, **RECOMPUTE[recompute], **moe)
+    if spec.overlap_moe:  # after __post_init__: its bf16 rule is about Megatron's GPU kernels (module docstring)
+        config.overlap_moe_expert_parallel_comm = True
+    return config
+
+
+def plan_forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """tiny_gpt.forward_step, and with ``return_schedule_plan`` the GPT model's schedule plan instead of its
+    output (what Megatron-LM's pretrain_gpt.forward_step returns to the combined 1F1B step)."""
+    if not return_schedule_plan:
+        return forward_step(data_iterator, model)
+    batch = next(data_iterator)
+    plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                                     labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach().clone(), "mb": batch["index"]}
+
+    return plan, loss_func
 
 
 def build(spec: RecipeSpec, config, pre=True, post=True, vp_stage=None, pg_collection=None):
@@ -189,8 +215,9 @@ def _run_schedule(name: str, recompute: str, spec: RecipeSpec, reference: dict, 
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     from megatron_vshape.runtime import ActivationMeter, build_forward_backward_func, build_model_chunks
+    from megatron_vshape.schedules.core.schedule import Costs
 
-    fb = build_forward_backward_func(name)
+    fb = build_forward_backward_func(name, costs=Costs(a2a=1.0) if spec.overlap_moe else Costs())
     placement = fb.schedule(spec.pp, spec.microbatches).placement
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
     config = make_config(spec, spec.pp, vp, spec.ep, recompute)
@@ -226,7 +253,7 @@ def _run_schedule(name: str, recompute: str, spec: RecipeSpec, reference: dict, 
             for m in model:
                 m.zero_grad_buffer()
             before = (launches.early, launches.late)
-            losses = fb(forward_step_func=forward_step,
+            losses = fb(forward_step_func=plan_forward_step if spec.overlap_moe else forward_step,
                         data_iterator=[iter(_data(spec.model, indices)) for _ in model], model=model,
                         num_microbatches=spec.microbatches, seq_length=spec.model.seq_length,
                         micro_batch_size=spec.model.micro_batch_size, forward_only=False)
@@ -245,7 +272,7 @@ def _run_schedule(name: str, recompute: str, spec: RecipeSpec, reference: dict, 
             "num_losses": len(losses), "early_launches": early, "late_launches": late,
             "buckets": sum(len(m.bucket_groups) + len(m.expert_parallel_bucket_groups) for m in model),
             "wgrad_deferred": getattr(counts, "deferred", 0), "peak_activation_bytes": meter.peak_bytes,
-            "pp_rank": pp_rank}
+            "pp_rank": pp_rank, "pairs": len(fb.schedule(spec.pp, spec.microbatches).pairs)}
 
 
 def run_recipe_check(spec: RecipeSpec, timeout: float = 300.0) -> dict:
@@ -269,5 +296,6 @@ def run_recipe_check(spec: RecipeSpec, timeout: float = 300.0) -> dict:
             "late_launches": [sum(r["late_launches"][i] for r in rows) for i in range(spec.iterations)],
             "buckets": sum(r["buckets"] for r in rows),
             "wgrad_deferred": sum(r["wgrad_deferred"] for r in rows), "peak_activation_bytes": peaks,
+            "pairs": rows[0]["pairs"],
         }
     return merged

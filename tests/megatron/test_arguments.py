@@ -111,9 +111,13 @@ BAD = {
                               "--sequence-parallel needs apex"),
     "split-delay-wgrad": (dict(delay_wgrad_compute=True), "--delay-wgrad-compute conflicts"),
     "split-grouped-gemm": (dict(moe_grouped_gemm=True), "--moe-grouped-gemm conflicts"),
-    # Issue 43: pairs are in the schedule model, not yet in the executor.
-    "split-overlap-moe-comm": (dict(overlap_moe_expert_parallel_comm=True, bf16=True),
-                               "--overlap-moe-expert-parallel-comm conflicts"),
+    # Issue 43: the V schedules run the flag (overlapped F&B pairs through Megatron's combined step); the one-chunk
+    # schedules refuse it (Megatron's combined 1F1B needs virtual stages at PP > 1).
+    "overlap-moe-comm-zb": (dict(pipeline_schedule="zb-1p", overlap_moe_expert_parallel_comm=True, bf16=True),
+                            "--overlap-moe-expert-parallel-comm runs under the V schedules (v-min, v-half, v-zb, "
+                            "v-auto) and Megatron's interleaved-1f1b: --pipeline-schedule zb-1p places one model chunk"),
+    "overlap-moe-comm-gpipe": (dict(pipeline_schedule="gpipe", overlap_moe_expert_parallel_comm=True, bf16=True),
+                               "--pipeline-schedule gpipe places one model chunk per pipeline rank"),
     "split-tp-overlap": (dict(cpu=False, distributed_backend=None, tp_comm_overlap=True), "--tp-comm-overlap conflicts"),
     # Issue 12: what iteration 1 used to find (a ScheduleError traceback naming the CLI's flag) and
     # what the first save used to find, now refused at start-up.
