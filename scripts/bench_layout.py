@@ -41,7 +41,8 @@ from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_s
 FLOPS, MEASURED, VOCAB = "balanced", "balanced-measured", "vocab-parallel"
 
 
-def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches, warmup, iters, calibration):
+def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches, warmup, iters, calibration,
+            balanced=True):
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -61,7 +62,7 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     costs, extras = measured_costs(stage_times, uniform, model.num_layers, world_size)
     measured_choice = choose_layout(_planner_model(model), schedule, world_size, microbatches, costs, extras=extras)
     counts = {"uniform": uniform, FLOPS: flops_choice.layers_per_stage, MEASURED: measured_choice.layers_per_stage}
-    for name in (FLOPS, MEASURED):
+    for name in (FLOPS, MEASURED) if balanced else ():  # --no-balanced: the uniform and vocabulary rows only
         rows[name] = _build(schedule, model, world_size, pp_rank, counts[name])
     counts[VOCAB] = uniform
     # Built, like the measured layout, from the calibration run's costs (its vocabulary passes timed on their
@@ -159,10 +160,12 @@ def _gathered(passes: list) -> list:
 def _simulate_as_ran(schedule, by_rank: list, walls: list[float]) -> InRunPrediction:
     """The simulator's time for ``schedule`` (the one that ran) with the pass costs measured in the same
     iterations (``by_rank[r][i]``: rank r's (action, start, end) of timed iteration i; ``walls[i]``: that
-    call's wall time, slowest rank): F, B and W the mean per stage; G the mean; H the time from the LAST rank's
-    arrival at each rendezvous to its end (the pass's own work and collectives: the ranks that arrived
-    earlier waited, which is the simulator's to predict), averaged. A call's time outside its passes
-    (``walls[i]`` less the span from the first pass's start on any rank to the last one's end) is added."""
+    call's wall time, slowest rank): F, B and W the mean per stage; H per rank, the time from the LAST rank's
+    arrival at each rendezvous to that rank's end (the pass's own work and collectives: the ranks that arrived
+    earlier waited, which is the simulator's to predict), averaged, the last stage's rank's apart; G the last
+    stage's rank's mean (the others' G waits for its loss gradient, which the simulator models). A call's time
+    outside its passes (``walls[i]`` less the span from the first pass's start on any rank to the last one's
+    end) is added."""
     from collections import defaultdict
 
     from megatron_vshape.runtime.replan import typical_chunk, with_measured_stages
@@ -171,16 +174,16 @@ def _simulate_as_ran(schedule, by_rank: list, walls: list[float]) -> InRunPredic
     from megatron_vshape.schedules.core.simulator import simulate
 
     layers = defaultdict(list)  # (kind, stage) -> seconds
-    rendezvous = defaultdict(list)  # (iteration, microbatch) -> (start, end) of every rank's H
-    g_times, outside = [], []
+    rendezvous = defaultdict(dict)  # (iteration, microbatch) -> rank -> (start, end) of its H
+    g_times, outside = defaultdict(list), []
     for i, wall in enumerate(walls):
         spans = [passes[i] for passes in by_rank]
-        for rank_passes in spans:
+        for rank, rank_passes in enumerate(spans):
             for action, start, end in rank_passes:
                 if action.kind is VocabKind.H:
-                    rendezvous[i, action.microbatch].append((start, end))
+                    rendezvous[i, action.microbatch][rank] = (start, end)
                 elif action.kind is VocabKind.G:
-                    g_times.append(end - start)
+                    g_times[rank].append(end - start)
                 else:
                     layers[action.kind, action.stage].append(end - start)
         first = min(p[0][1] for p in spans if p)
@@ -195,11 +198,22 @@ def _simulate_as_ran(schedule, by_rank: list, walls: list[float]) -> InRunPredic
     costs = with_measured_stages(Costs(f, b, w), seconds, stage_seconds, Costs())
     measured = {"F": f, "B": b, "W": w}
     if schedule.vocab_parallel:
-        h = statistics.fmean(end - start for start, end in (max(ranks) for ranks in rendezvous.values()))
-        g = statistics.fmean(g_times)
+        # Per rank, as the simulator models H and G (VocabWork.holder): every rank's H from the last arrival
+        # (the rendezvous) to its own end; the last stage's rank's H is longer (the loss function, the wait for
+        # the reduce); G's compute from the last stage's rank (the others' G also waits for its loss gradient,
+        # which the simulator times from that H's end).
         p = schedule.num_devices
-        costs = replace(costs, vocab=VocabWork(f=p * h / f, b=0.0, w=p * g / w))
-        measured.update(H=h, G=g)
+        holder = schedule.placement.device_of(schedule.num_stages - 1)
+        after = {rank: statistics.fmean(ranks[rank][1] - max(start for start, _ in ranks.values())
+                                        for ranks in rendezvous.values()) for rank in range(p)}
+        h = statistics.fmean(after[rank] for rank in range(p) if rank != holder)
+        g = statistics.fmean(g_times[holder])
+        try:
+            work = VocabWork(f=p * h / f, b=0.0, w=p * g / w, holder=(after[holder] - h) / f)
+        except TypeError:  # a checkout before the per-rank H (measured side by side): one H, the holder's
+            work = VocabWork(f=p * after[holder] / f, b=0.0, w=p * g / w)
+        costs = replace(costs, vocab=work)
+        measured.update(H=h, H_holder=after[holder], G=g)
     return InRunPrediction(simulate(schedule, costs).makespan_total, statistics.median(outside), measured)
 
 
@@ -412,6 +426,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--calibration", type=int, default=2,
                         help="iterations of the uniform layout timed per pass to measure the head's cost")
+    parser.add_argument("--no-balanced", action="store_true",
+                        help="time only the uniform and the vocabulary-parallel rows (half the time)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
@@ -426,7 +442,7 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(" ".join(str(error).split()))
     (result, *_) = spawn(_worker, args.pp, (model, args.schedule, args.microbatches, args.warmup, args.iters,
-                                             args.calibration), timeout=args.timeout)
+                                             args.calibration, not args.no_balanced), timeout=args.timeout)
     report = _report(args, result)
     if args.json:
         with open(args.json, "w") as handle:

@@ -195,7 +195,9 @@ def test_bench_layout_runs_three_layouts_and_vocabulary_parallelism_side_by_side
     assert set(report["vocab_pass_s"]) == {"F", "B", "W", "H", "G"}  # the vocabulary passes ran
     # The prediction simulates the schedules that ran with the costs measured in the same iterations.
     in_run = report["in_run"]
-    assert set(in_run["uniform"]["costs"]) == {"F", "B", "W"} and set(in_run["vocab-parallel"]["costs"]) == set("FBWHG")
+    # (H per rank: the last stage's rank's own, H_holder, is longer: the loss function, the reduce's wait)
+    assert set(in_run["uniform"]["costs"]) == {"F", "B", "W"}
+    assert set(in_run["vocab-parallel"]["costs"]) == {*"FBWHG", "H_holder"}
     assert all(row["makespan"] > 0.0 and row["outside"] >= 0.0 for row in in_run.values())
     assert report["predicted_ratio"]["vocab-parallel"] == pytest.approx(
         (in_run["vocab-parallel"]["makespan"] + in_run["vocab-parallel"]["outside"])

@@ -11,6 +11,7 @@ from megatron_vshape.schedules.core.actions import Action, Kind, VocabKind, pars
 from megatron_vshape.schedules.core.inputs import InputError
 from megatron_vshape.schedules.core.schedule import Costs, Schedule, ScheduleError, VocabWork
 from megatron_vshape.schedules.core.simulator import DeadlockError, simulate
+from megatron_vshape.schedules.core.vocab_embedding import embedding_slots, held_peak
 from megatron_vshape.schedules.generators.registry import SCHEDULES, get_schedule
 from megatron_vshape.schedules.lowering.exchange import (
     PAIR_GROUP,
@@ -28,11 +29,9 @@ from megatron_vshape.schedules.lowering.nccl_model import (
     NcclMismatch,
     check_program,
     run_nccl_model,
-    vocab_call_segment,
 )
 from megatron_vshape.schedules.lowering.program import lower_program
 from megatron_vshape.schedules.lowering.validator import InvalidSchedule, validate
-from megatron_vshape.schedules.lowering.vocab_embedding import embedding_slots, held_peak
 
 HEAD = VocabWork(f=0.92, b=0.92, w=0.92, memory=0.5)
 UNEQUAL = Costs(f=1.0, b=1.3, w=0.8, comm=0.05)
@@ -120,6 +119,50 @@ def test_memory_counts_what_h_holds_until_g():
     assert max(result.peak_memory) == pytest.approx(max(plain.peak_memory) + held)
 
 
+@pytest.mark.parametrize("name", ["v-half", "v-zb", "1f1b"])
+def test_memory_counts_the_embeddings_buffers_bounded_whatever_m(name):
+    """The first stage's device holds embeddings (E to F(0, k)) and their gradients (B(0, k) to D) and every
+    device the tokens (T(k) to D(k)): the simulator's memory timeline counts them (VocabWork.embedding and
+    .tokens), by the runtime's slots, and the same at m = 16 and 64."""
+    embedding, tokens = 0.4, 0.01
+    rises = []
+    for m in (16, 64):
+        costs = Costs(vocab=HEAD)
+        schedule = get_schedule(name, 4, m, costs)
+        first = schedule.placement.device_of(0)
+        base = simulate(schedule, costs).peak_memory
+        with_embedding = simulate(schedule, replace(costs, vocab=replace(HEAD, embedding=embedding))).peak_memory
+        with_tokens = simulate(schedule, replace(costs, vocab=replace(HEAD, tokens=tokens))).peak_memory
+        held = held_peak(schedule.programs[first], training=True)
+        rise = with_embedding[first] - base[first]
+        # some of the first stage's embeddings are held at its peak, never more than the most it holds at once
+        assert 0 < rise <= held * embedding / 2 + 1e-9, (name, m, rise, held)
+        assert [a == b for a, b in zip(with_embedding, base)] == [d != first for d in range(4)]
+        assert all(0 < t - b <= 12 * tokens / 2 + 1e-9 for t, b in zip(with_tokens, base)), (name, m)  # a few, every device
+        rises.append((round(rise, 9), tuple(round(t - b, 9) for t, b in zip(with_tokens, base))))
+    assert rises[0] == rises[1], (name, rises)
+
+
+@pytest.mark.parametrize("name", ["v-half", "1f1b", "v-zb"])
+def test_the_last_stages_h_is_longer_and_the_other_devices_g_waits_for_its_end(name):
+    """What runs per rank (runtime/vocab_h.py): every H starts at the rendezvous; the last stage's device's H
+    also runs the loss function and waits for the reduce (VocabWork.holder), the others post and leave; their
+    G(k) needs the loss gradient, which that H broadcasts at its end."""
+    base = Costs(f=1.0, b=1.3, w=0.8, comm=0.05, vocab=HEAD)
+    schedule = get_schedule(name, 4, 8, base)  # built with every H alike, as training builds it
+    costs = replace(base, vocab=replace(HEAD, holder=0.5))
+    result = simulate(schedule, costs)
+    holder = schedule.placement.device_of(schedule.num_stages - 1)
+    for k in range(8):
+        spans = {d: result.timeline[Action(VocabKind.H, d, k)] for d in range(4)}
+        assert len({round(iv.start, 9) for iv in spans.values()}) == 1  # one rendezvous
+        others = {round(iv.end - iv.start, 9) for d, iv in spans.items() if d != holder}
+        assert others == {round(spans[holder].end - spans[holder].start - 0.5, 9)}
+        for d in range(4):
+            assert result.timeline[Action(VocabKind.G, d, k)].start >= spans[holder].end - 1e-9, (d, k)
+    assert result.makespan_total >= simulate(schedule, base).makespan_total
+
+
 def _swap_h(schedule: Schedule, device: int, a: int, b: int) -> Schedule:
     """Device ``device`` runs the vocabulary passes of microbatches ``a`` and ``b`` in each other's places."""
     swap = {a: b, b: a}
@@ -167,8 +210,9 @@ def test_h_posts_its_collectives_on_the_vocabulary_queue_and_waits_only_where_ne
     assert every[0] == every[1]  # one order on every rank, the embedding's collectives included
     labels = [[x for x in rank if x.startswith("H")] for rank in every]
     assert labels[0][:4] == ["H0 hidden state and labels", "H0 statistics", "H0 hidden gradient", "H0 loss gradient"]
-    # the embedding per microbatch: one lookup reduce (E) and one gradient broadcast (D) each
+    # the embedding per microbatch: one lookup reduce (E) and one gradient broadcast (D) each, and its tokens (T)
     assert sorted(x for x in every[0] if x[0] in "ED") == sorted(f"{w}{k} embedding" for w in "ED" for k in range(4))
+    assert sorted(x for x in every[0] if x[0] == "T") == sorted(f"T{k} tokens" for k in range(4))
     assert {op.queue for rank in train.ranks for op in rank.exchange if op.kind is OpKind.COLLECTIVE} == {VOCAB_QUEUE}
     for r, rank in enumerate(train.ranks):
         ops = rank.exchange
@@ -183,11 +227,11 @@ def test_h_posts_its_collectives_on_the_vocabulary_queue_and_waits_only_where_ne
         assert loss_wait == g_step - (1 if holder else 2)  # right before G(0): the broadcast (and the reduce's send)
     evaluate = lower_program(schedule, costs, forward_only_call=True)
     assert {op.label.split(" ", 1)[1] for rank in evaluate.ranks for op in rank.exchange
-            if op.kind is OpKind.COLLECTIVE} == {"hidden state and labels", "statistics", "embedding"}
+            if op.kind is OpKind.COLLECTIVE} == {"hidden state and labels", "statistics", "embedding", "tokens"}
 
 
 def test_the_first_stage_holds_a_bounded_number_of_embeddings_whatever_m():
-    """The embedding's collectives go at the H passes (schedules/lowering/vocab_embedding.py): the first
+    """The embedding's collectives go at the H passes (schedules/core/vocab_embedding.py): the first
     stage's rank holds embeddings and their gradients for a few microbatches, the same at m = 16 and 64
     (the call-wide prologue held all m)."""
     costs = Costs(vocab=HEAD)
@@ -212,7 +256,8 @@ def test_a_wait_across_queues_that_closes_a_cycle_deadlocks():
     rank0 = (collective, Op(OpKind.WAIT, index=0), Op(OpKind.POST, pair, (Transfer(0, 1, None),)), Op(OpKind.WAIT, index=2))
     rank1 = (Op(OpKind.POST, pair, (Transfer(0, 1, None),)), Op(OpKind.WAIT, index=0), collective, Op(OpKind.WAIT, index=2))
     def connected(r, ops):  # both communicators created first, in one order (no lazy-creation hang)
-        return [warmup_program(r, 2), vocab_call_segment(2), ops]
+        return [warmup_program(r, 2), (Op(OpKind.COLLECTIVE, whole, queue=VOCAB_QUEUE, label="create"),
+                                       Op(OpKind.WAIT, index=0)), ops]
 
     for single_queue in (True, False):
         with pytest.raises(NcclDeadlock):

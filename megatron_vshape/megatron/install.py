@@ -302,7 +302,8 @@ class ScheduleRunner:
         if vocab_rows is not None:
             parts.append("vocabulary passes MiB per pipeline rank, held from H to G: "
                          + ", ".join(f"{held / 2**20:.2f}" for held, _ in vocab_rows)
-                         + f"; the first stage's embeddings: {max(e for _, e in vocab_rows) / 2**20:.2f}")
+                         + "; the embedding's buffers (embeddings and gradients on the first stage, tokens, "
+                         + "data read ahead): " + ", ".join(f"{e / 2**20:.2f}" for _, e in vocab_rows))
         parts += _throughput(self.args, elapsed)
         print(" [vshape] " + " | ".join(parts), flush=True)
 

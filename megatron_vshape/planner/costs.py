@@ -184,13 +184,20 @@ class CostModel:
         * a launch latency each. The loss gradient's broadcast (4 bytes a token) is waited for only in G
           and is left out, as is the TP all-reduce of the gradient among the last stage's TP ranks.
         """
+        return sum(self.vocab_collective_parts(model, layout))
+
+    def vocab_collective_parts(self, model: GPTModel, layout: ParallelLayout) -> tuple[float, float]:
+        """:meth:`vocab_collectives` as (what every rank waits for in H: the hidden state's broadcast and the
+        statistics' all-gather, the rendezvous; what only the last stage's rank waits for: the reduce of the
+        hidden gradient, posted on the vocabulary queue, which the other ranks leave behind)."""
         if layout.pp <= 1:
-            return 0.0
+            return 0.0, 0.0
         tokens = layout.micro_batch * model.seq_length / layout.cp
         hidden = 2.0 * tokens * model.hidden + 8.0 * tokens
         statistics = 3 * 4.0 * tokens * (layout.pp - 1)
         gradient = 4.0 * tokens * model.hidden
-        return 3 * P2P_LATENCY + (hidden + statistics + gradient) / self.pipeline_group_bandwidth(layout)
+        bandwidth = self.pipeline_group_bandwidth(layout)
+        return 2 * P2P_LATENCY + (hidden + statistics) / bandwidth, P2P_LATENCY + gradient / bandwidth
 
     def params_per_gpu(self, model: GPTModel, layout: ParallelLayout) -> float:
         return model.total_params / (layout.tp * layout.pp)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..schedules.core.actions import Kind, VocabKind
 from ..schedules.core.simulator import SimulationResult
+from ..schedules.core.vocab_embedding import buffer_events
 from ..vocab_shards import shard_sizes
 from .model import GPTModel
 from .parallel_layout import ParallelLayout, stage_layers
@@ -124,6 +125,10 @@ class ActivationModel:
     transient: float = 0.0  # extra bytes alive only inside a pass (recomputation)
     vocab_held: float = 0.0  # vocabulary parallelism: bytes one shard holds from its H to its G
     vocab_transient: float = 0.0  # ... and alive only inside its H
+    # ... and the embedding's buffers (schedules/core/vocab_embedding.buffer_events): one microbatch's
+    # embedding (or its gradient) on the first stage's device, one microbatch's tokens on every device
+    vocab_embedding: float = 0.0
+    vocab_tokens: float = 0.0
 
 
 def activation_model(model: GPTModel, layout: ParallelLayout, num_stages: int, flash_attention: bool,
@@ -156,7 +161,17 @@ def activation_model(model: GPTModel, layout: ParallelLayout, num_stages: int, f
         sizes[-1] += model.logits_bytes(mb, split)
         return ActivationModel(tuple(sizes), b_release, transient)
     held, inside = vocab_activation_bytes(model, layout)
-    return ActivationModel(tuple(sizes), b_release, transient, held, inside)
+    embedding, token_bytes = vocab_embedding_bytes(model, layout)
+    return ActivationModel(tuple(sizes), b_release, transient, held, inside, embedding, token_bytes)
+
+
+def vocab_embedding_bytes(model: GPTModel, layout: ParallelLayout) -> tuple[float, float]:
+    """(embedding, tokens) bytes of one microbatch under vocabulary parallelism: its embedding (or the
+    embedding's gradient) as the first stage's device holds it between the collectives and the passes (bf16,
+    b x s x h: the whole sequence, before any sequence-parallel scatter), and its tokens (int64), which every
+    device holds from their broadcast to the gradient's."""
+    tokens = layout.micro_batch * model.seq_length / layout.cp
+    return 2.0 * tokens * model.hidden, 8.0 * tokens
 
 
 def activation_peaks(result: SimulationResult, acts: ActivationModel) -> tuple[float, ...]:
@@ -179,6 +194,8 @@ def activation_peaks(result: SimulationResult, acts: ActivationModel) -> tuple[f
             events[interval.device].append((interval.end, 0, -size * acts.b_release))
         else:
             events[interval.device].append((interval.end, 0, -size * (1.0 - acts.b_release)))
+    if result.schedule.vocab_parallel and (acts.vocab_embedding or acts.vocab_tokens):
+        _embedding_buffer_events(result, acts, events)
     transient = max(acts.transient, acts.vocab_transient if result.schedule.vocab_parallel else 0.0)
     peaks = []
     for device_events in events:
@@ -188,3 +205,19 @@ def activation_peaks(result: SimulationResult, acts: ActivationModel) -> tuple[f
             peak = max(peak, level)
         peaks.append(peak + transient)
     return tuple(peaks)
+
+
+def _embedding_buffer_events(result: SimulationResult, acts: ActivationModel, events) -> None:
+    """The embedding's buffers (:func:`~..schedules.core.vocab_embedding.buffer_events`) as timed events."""
+    schedule = result.schedule
+    first = schedule.placement.device_of(0)
+    for device, (program, changes) in enumerate(zip(schedule.programs, buffer_events(schedule.programs, first))):
+        end = max((result.timeline[a].end for a in program), default=0.0)
+        for change in changes:
+            if change.index < len(program):
+                interval = result.timeline[program[change.index]]
+                at = interval.end if change.at_end else interval.start
+            else:
+                at = end
+            delta = change.embeddings * acts.vocab_embedding + change.tokens * acts.vocab_tokens
+            events[device].append((at, 1 if delta > 0 else 0, delta))

@@ -28,7 +28,7 @@ from .memory import RESERVED_BYTES, MemoryEstimate, activation_model, activation
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
 from .simcache import run_pipeline
-from .vocab import label, vocab_call_bytes, vocab_call_seconds, vocab_work
+from .vocab import label, vocab_call_seconds, vocab_work
 
 RECOMPUTE_SUFFIX = "-r"  # "1f1b-r": a schedule with full activation recomputation
 
@@ -180,10 +180,6 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
     placement = run.sample.schedule.placement
     static = static_bytes(model, layout, placement.stages_per_device, stages, cost_model.distributed_optimizer,
                           layers, vocab_parallel)
-    if vocab_parallel:  # the first stage's device holds the call's embeddings and their gradients
-        first = next(d for d, held in enumerate(placement.stages_per_device) if 0 in held)
-        held = vocab_call_bytes(model, layout, first_actions)
-        static = tuple(x + (held if d == first else 0.0) for d, x in enumerate(static))
     acts = activation_model(model, layout, stages, flash_attention, mode, layers, vocab_parallel)
     peaks = activation_peaks(run.sample, acts)
     if run.earlier is not None:

@@ -9,18 +9,20 @@ group's collectives) and one G pass (its 1/p of the output layer's weight gradie
 Time. The head's F, B and W are the planner's own (:meth:`.balance.StageExtras.from_flops`: the logits
 GEMM, its input gradient and its weight gradient, in layers' worth, times one layer's F, B, W), the
 same work that sits on the last stage without the flag, so the two rows cost the same head and differ
-only in where it runs. The simulator times one shard's H as ``(F f + B b) / p + 2 comm``
-(:meth:`VocabWork.shard_times`): two message-sized collectives. The planner's collectives
-(:meth:`.costs.CostModel.vocab_collectives`: what the last stage's rank waits for in H, the packed
-hidden state's broadcast, the statistics' all-gather and the fp32 hidden gradient's reduce, over the
-pipeline group's ring) cost more than two of the simulator's messages; the difference is added to
-``f``, so that H lasts what the planner's collectives and compute take.
+only in where it runs. The simulator times one shard's H as ``(F f + B b) / p + messages x comm``
+(:meth:`VocabWork.shard_times`). The planner's collectives (:meth:`.costs.CostModel.vocab_collective_parts`,
+over the pipeline group's ring): what every rank waits for in H (the packed hidden state's broadcast, the
+statistics' all-gather: the rendezvous), as ``messages`` (in ``f`` where the timed costs have no message
+time); and the fp32 hidden gradient's
+reduce, which only the last stage's device waits for (``VocabWork.holder``: its H is that much longer,
+and the other devices' G passes wait for its end, the loss gradient's broadcast).
 
 Outside the passes (:func:`vocab_call_seconds`, added to the iteration by ``predict``): the call's
-prologue (the tokens, the first embedding) and epilogue (the last gradients), with every rank waiting;
-the data-parallel gradient reduction starts only after the epilogue, so none of it overlaps the
-backward. Memory: the first stage's device holds a few microbatches' embeddings and gradients
-(:func:`vocab_call_bytes`).
+prologue (the first slot's tokens and the first embedding) and epilogue (the last gradients), with every
+rank waiting; the data-parallel gradient reduction starts only after the epilogue, so none of it overlaps
+the backward. Memory: the first stage's device holds a few microbatches' embeddings and gradients, every
+device a few microbatches' tokens (``ActivationModel.vocab_embedding`` and ``vocab_tokens``, counted
+along the simulated timeline by :func:`.memory.activation_peaks`, as the simulator's ledger counts them).
 
 Memory. ``VocabWork.memory`` is what one microbatch holds from H to G over the whole vocabulary (p
 shards' logit gradients and hidden-state copies: :func:`.memory.vocab_activation_bytes`), in units of one
@@ -31,11 +33,11 @@ memory estimate uses.
 from __future__ import annotations
 
 from ..schedules.core.schedule import Costs, VocabWork
-from ..schedules.lowering.vocab_embedding import embedding_slots, held_peak
+from ..schedules.core.vocab_embedding import embedding_slots
 from ..vocab_shards import shard_sizes
 from .balance import StageExtras
 from .costs import P2P_LATENCY, CostModel, PassTimes
-from .memory import vocab_activation_bytes
+from .memory import vocab_activation_bytes, vocab_embedding_bytes
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
 
@@ -59,38 +61,37 @@ def vocab_work(model: GPTModel, layout: ParallelLayout, cost_model: CostModel, t
     """The vocabulary passes of ``layout`` relative to ``costs`` (the simulator's timed costs: one V
     chunk's F, B, W and the message time ``comm`` it will charge H twice)."""
     f, b, w = head_seconds(model, layout, times)
-    collectives = cost_model.vocab_collectives(model, layout)
-    beyond = max(0.0, collectives - 2 * costs.comm)  # what the simulator's 2 comm per H leaves out
-    f += layout.pp * beyond  # one shard's H carries 1/p of f
+    every, reduce = cost_model.vocab_collective_parts(model, layout)
+    # Every device's H waits for ``every`` (in message times; in f where the timed costs have no message time,
+    # Megatron's blocking p2p: one shard's H carries 1/p of it) and the last stage's device's for the reduce
+    # too (``holder``).
+    messages = every / costs.comm if costs.comm > 0 else 0.0
+    if costs.comm <= 0:
+        f += layout.pp * every
     chunk = model.layers / (2 * layout.pp) * model.activation_bytes(layout.micro_batch, layout.token_split,
                                                                     flash_attention)
     held, _ = vocab_activation_bytes(model, layout)
-    return VocabWork(f / costs.f, b / costs.b, w / costs.w, layout.pp * held / chunk)
+    embedding, tokens = vocab_embedding_bytes(model, layout)
+    # Only the last stage's device waits for the hidden gradient's reduce, in its H (VocabWork.holder).
+    return VocabWork(f / costs.f, b / costs.b, w / costs.w, layout.pp * held / chunk, embedding / chunk, tokens / chunk,
+                     reduce / costs.f, messages)
 
 
 def vocab_call_seconds(model: GPTModel, layout: ParallelLayout, cost_model: CostModel, first_actions) -> float:
     """Seconds of the vocabulary work outside the passes, with every rank waiting (``first_actions``: the
     program of the device that holds stage 0, which places the embedding's collectives:
-    schedules/lowering/vocab_embedding.py): the prologue's tokens broadcast and the first microbatch's
-    embedding (its lookup and reduce; the others' arrive while passes run), and the epilogue's gradients (the
-    microbatches whose first-stage B came after the last H: broadcast, then each rank adds its rows into
-    fp32 ``main_grad``). The lookups and gradients placed at the H passes run on the vocabulary queue beside
-    the passes and are not charged."""
+    schedules/core/vocab_embedding.py): the prologue's tokens of the first slot's lookups and the first
+    microbatch's embedding (its lookup and reduce; the others' arrive while passes run), and the epilogue's
+    gradients (the microbatches whose first-stage B came after the last H: broadcast, then each rank adds its
+    rows into fp32 ``main_grad``). The tokens, lookups and gradients placed at the H passes run on the
+    vocabulary queue beside the passes and are not charged."""
     slots = embedding_slots(first_actions, training=True)
     tokens = layout.micro_batch * model.seq_length / layout.cp
     embeddings = 1 + len(slots.grads[-1])
-    moved = 8.0 * tokens * layout.num_microbatches + embeddings * 2.0 * tokens * model.hidden
+    moved = 8.0 * tokens * len(slots.lookups[0]) + embeddings * 2.0 * tokens * model.hidden
     seconds = 0.0 if layout.pp <= 1 else (2 + embeddings) * P2P_LATENCY + moved / cost_model.pipeline_group_bandwidth(layout)
     rows = embeddings * (2.0 + 2.0 + 4.0 + 4.0) * tokens * model.hidden  # lookup; gradient read; main_grad r + w
     return seconds + cost_model._streaming(rows)
-
-
-def vocab_call_bytes(model: GPTModel, layout: ParallelLayout, first_actions) -> float:
-    """Bytes the first stage's device holds for the embedding at its peak: the embeddings between their
-    lookup's slot and their F, the gradients between their B and their slot (bf16, b x s x h each; a
-    number the schedule bounds, not m: :func:`~..schedules.lowering.vocab_embedding.held_peak`)."""
-    tokens = layout.micro_batch * model.seq_length / layout.cp
-    return held_peak(first_actions, training=True) * 2.0 * tokens * model.hidden
 
 
 def label(schedule: str, vocab_parallel: bool) -> str:

@@ -52,6 +52,9 @@ class HPass:
         self.layers, self.queue, self.rank, self.last_rank, self.dtype = layers, queue, rank, last_rank, dtype
         self.held: dict[int, HeldForG] = {}
         self.wait_seconds = 0.0  # the host blocked in H's waits (the bench prints it per rank)
+        # The [tokens, rows] fp32 logits buffers of microbatches whose G has run, for the next H: each is tens of
+        # MiB, and a fresh one costs its page faults on the CPU every time. As many as were alive at once.
+        self.free: list[torch.Tensor] = []
 
     @property
     def holder(self) -> bool:
@@ -76,7 +79,7 @@ class HPass:
         hidden_in, labels_in = self._receive(hidden, labels, shape)
         weight = layers.pass_weight()
         out = vp.local_output(hidden_in.to(weight.dtype).reshape(s * b, h), weight,
-                              labels_in.t().reshape(s * b), layers.shard)
+                              labels_in.t().reshape(s * b), layers.shard, self.free.pop() if self.free else None)
         stats, gathered = self._post_gather(out.stats)
         parts = vp.unit_grad_parts(out, weight) if training else None  # overlaps the all-gather
         self._wait(stats)
@@ -89,6 +92,7 @@ class HPass:
         if self.holder:
             grad_loss = loss(out.loss.view(s, b).t().contiguous())
         if not training:
+            self.free.append(out.probs)
             return None
         if self.holder:
             g = grad_loss.to(torch.float32).t().reshape(s * b).contiguous()
@@ -110,10 +114,16 @@ class HPass:
         held = self.held.pop(microbatch)
         for pending in held.pending:
             self._wait(pending)
-        weight = self.layers.output_weight.detach()
+        weight = self.layers.output_weight
         grad_logits = vp.logits_grad(held.out, held.grad_loss, weight.dtype)
         hidden = held.out.hidden
-        self.layers.output_weight_grad_task(lambda: grad_logits.t() @ hidden)()
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is not None and main_grad.dtype == grad_logits.dtype == hidden.dtype == torch.float32:
+            main_grad.addmm_(grad_logits.t(), hidden)  # straight into fp32 main_grad: no [rows, hidden] temporary
+        else:
+            self.layers.output_weight_grad_task(lambda: grad_logits.t() @ hidden)()
+        if held.out.probs.dtype == torch.float32:
+            self.free.append(held.out.probs)
 
     def held_bytes(self) -> int:
         return sum(held.nbytes for held in self.held.values())

@@ -6,23 +6,21 @@ in the rank's first chunk (runtime/vocab_model.py). What this rank does, and eve
 issues, in the one order every rank follows (the collectives run over the TP group, then the pipeline
 group of this TP rank, as ``VocabShardLayers.groups``):
 
-* **Prologue** (before the first pass of the call): the rank that holds the first stage reads the
-  tokens of all the call's microbatches ahead from its data iterator (the forward steps then read the
-  same items from a buffer) and broadcasts them (8 bytes a token), over TP (from TP rank 0: Megatron's
-  other TP ranks read no data) and then over the pipeline group.
-* **The embedding, per microbatch** (runtime/vocab_embedding.py): every rank looks up its rows of
-  microbatch k's tokens and the sums are reduced onto the first stage's rank, which hands them to its
-  F(0, k) (``EmbeddingInput.set``); after its B(0, k) the embedding's gradient is broadcast back and every
-  rank adds its rows' weight gradient into the fp32 ``main_grad``. These collectives go at the start of
-  the call, at the start of an H, or at the end, as late as the first stage's program allows
-  (schedules/lowering/vocab_embedding.py): the first stage holds a few microbatches' embeddings and
-  gradients, a number the schedule bounds, not m.
+* **The embedding, per microbatch** (runtime/vocab_embedding.py): the first stage's rank reads the tokens of
+  microbatch k from its data iterator one slot ahead (its forward steps then read the same items) and
+  broadcasts them (T(k), 8 bytes a token; over TP first, from TP rank 0: Megatron's other TP ranks read no
+  data); every rank looks up its rows of them and the sums are reduced onto the first stage's rank (E(k)),
+  which hands them to its F(0, k) (``EmbeddingInput.set``); after its B(0, k) the embedding's gradient is
+  broadcast back (D(k)) and every rank adds its rows' weight gradient into the fp32 ``main_grad``. These
+  collectives go at the start of the call (the **prologue**), at the start of an H, or at the end (the
+  **epilogue**), as late as the first stage's program allows (schedules/core/vocab_embedding.py): the
+  ranks hold a few microbatches' tokens, embeddings and gradients, a number the schedule bounds, not m.
 * **H(k)**, a collective pass (all ranks run it together, runtime/vocab_h.py): one rendezvous per
   microbatch; the last stage's B(k) then starts from the hidden state's gradient, as any stage whose
   output went to another stage. Evaluation calls run the forward half only.
 * **G(k)**: waits for H's loss gradient and adds this rank's output-layer weight gradient (a W, deferrable).
 * **Epilogue** (after the last pass): the embedding's last slot (the gradients whose B came after the
-  last H). Every chunk's gradient reduction starts after it.
+  last H). Every chunk's gradient reduction starts after it (runtime/iteration.py).
 
 Every pipeline-group collective goes through the rank's vocabulary queue (runtime/comm_queue.py), in the
 one order the lowering's program records (schedules/lowering/exchange.py) and the NCCL model checks.
@@ -34,14 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megatron_vshape.schedules.core.schedule import Placement
-from megatron_vshape.schedules.lowering.vocab_embedding import EmbeddingSlots, embedding_slots
+from megatron_vshape.schedules.core.vocab_embedding import EmbeddingSlots, embedding_slots
 
 from .comm_queue import CommQueue
 from .placement import _unwrap
-from .vocab_embedding import EmbeddingPasses
+from .vocab_embedding import EmbeddingPasses, LookaheadIterator
 from .vocab_h import HPass
 
 LAYERS_NAME = "vocab_parallel"  # the submodule of a rank's first chunk that holds its vocabulary shard
@@ -52,23 +49,6 @@ def vocab_layers_of(model):
     ``model``: the rank's chunks, or its first chunk (wrappers allowed)."""
     first = model[0] if isinstance(model, (list, tuple)) else model
     return getattr(_unwrap(first), LAYERS_NAME, None)
-
-
-class PrefetchedIterator:
-    """A data iterator read ``count`` items ahead: the forward steps get the same items, in order."""
-
-    def __init__(self, iterator, count: int):
-        self.items = [next(iterator) for _ in range(count)]
-        self._next = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._next >= len(self.items):
-            raise StopIteration
-        self._next += 1
-        return self.items[self._next - 1]
 
 
 @dataclass
@@ -84,16 +64,15 @@ class VocabPasses:
     dtype: torch.dtype
     forward_only: bool
     # The first stage's rank's actions in run order (the lowered program's): where the embedding's
-    # collectives go (schedules/lowering/vocab_embedding.py). Empty: all lookups at the start, all gradients
+    # collectives go (schedules/core/vocab_embedding.py). Empty: all lookups at the start, all gradients
     # at the end (a call-wide buffer; only for callers without a program).
     first_actions: tuple = ()
-    tokens: torch.Tensor | None = None  # [m, b, s] of the call
     embedding_leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # first stage: F(k)'s inputs
     labels: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: what F(k) was called with
     loss_funcs: dict[int, Callable] = field(default_factory=dict)  # last stage: the script's loss of F(k)
     # What the passes hold, for the [vshape] line: the peak of the bytes kept from H(k) to G(k) (the
     # softmax shard, the hidden state, the loss gradient, a reduce's send), and the peak of the embedding's
-    # (embeddings and gradients held, collectives in flight).
+    # (embeddings and gradients held, collectives in flight, tokens, the data items read ahead).
     peak_held_bytes: int = 0
     h_pass: HPass = field(init=False)
     embedding: EmbeddingPasses | None = field(init=False, default=None)
@@ -123,37 +102,19 @@ class VocabPasses:
     def embedding_bytes(self) -> int:
         return 0 if self.embedding is None else self.embedding.peak_bytes
 
-    def _device(self) -> torch.device:
-        return self.layers.embedding_weight.device
-
     # --- the call's start and end ------------------------------------------------------------------
 
     def prologue(self, first_chunk_iterator) -> object:
-        """The tokens to every rank (one broadcast of [m, b, s] int64: 8 bytes a token), then the
-        embedding's slot 0. Returns the first chunk's data iterator to use (the prefetched one on the first
-        stage's rank)."""
-        m, b, s = self.num_microbatches, self.micro_batch_size, self.seq_length
-        tokens = torch.empty((m, b, s), dtype=torch.long, device=self._device())
-        iterator = first_chunk_iterator
-        problem = None
-        if self.rank == self.first_rank:
-            tokens.fill_(NO_TOKENS)  # what every rank receives when the first stage cannot read them
-            if first_chunk_iterator is not None:
-                iterator = PrefetchedIterator(first_chunk_iterator, m)
-                problem = _tokens_into(tokens, iterator.items)
-            elif self.tp_group.size() == 1:
-                problem = "the first stage has no data iterator to read the tokens of its microbatches from"
-            if self.tp_group.size() > 1:
-                dist.broadcast(tokens, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        src, pp = dist.get_global_rank(self.pp_group, self.first_rank), self.pp_group
-        self.queue.post(lambda: dist.broadcast(tokens, src=src, group=pp, async_op=True), (tokens,)).wait()
-        self.tokens = tokens
-        if bool((self.tokens == NO_TOKENS).any()):  # every rank stops here, none waits in a collective
-            raise RuntimeError(f"--pipeline-vocab-parallel: {problem or 'the first stage could not read the tokens'}")
-        self.embedding = EmbeddingPasses(self.layers, self.queue, self._slots(), tokens, self.rank == self.first_rank,
-                                         self.first_rank, self.dtype)
+        """The embedding's slot 0 (the first lookups' tokens to every rank, waited at once; their embeddings
+        to the first stage; the next slot's tokens posted). Returns the first chunk's data iterator to use (on
+        the first stage's rank: the same one, read ahead by the tokens' broadcasts)."""
+        first = self.rank == self.first_rank
+        source = LookaheadIterator(first_chunk_iterator) if first and first_chunk_iterator is not None else None
+        self.embedding = EmbeddingPasses(self.layers, self.queue, self._slots(),
+                                         (self.micro_batch_size, self.seq_length), first, self.first_rank,
+                                         self.dtype, source, training=not self.forward_only)
         self.embedding.run_slot(0)
-        return iterator
+        return source if source is not None else first_chunk_iterator
 
     def _slots(self) -> EmbeddingSlots:
         if self.first_actions:
@@ -232,16 +193,3 @@ class VocabPasses:
                 if d}
         if left:
             raise RuntimeError(f"schedule left vocabulary work undone: {left}")
-
-
-NO_TOKENS = -1  # never a token id: the first stage sends it when it could not read the tokens
-
-
-def _tokens_into(tokens: torch.Tensor, items) -> str | None:
-    """Copy the items' tokens into ``tokens`` ([m, b, s]); a one-line problem when they have none."""
-    found = [item.get("tokens") if isinstance(item, dict) else None for item in items]
-    if any(t is None for t in found):
-        return ("the first stage's data items must be dicts with 'tokens' (as Megatron's GPT datasets give), to look "
-                "the embedding up on every rank")
-    tokens.copy_(torch.stack(found))
-    return None

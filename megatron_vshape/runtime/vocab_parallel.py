@@ -70,41 +70,52 @@ class OutputState:
     """What S keeps for T: this rank's logits (then softmax) and the loss statistics."""
 
     hidden: torch.Tensor  # [tokens, hidden], the final hidden state S was given
-    probs: torch.Tensor  # [tokens, rows] fp32: exp(logit - local max), then exp(logit - M) / Z once combined
+    # [tokens, rows] fp32: exp(logit - local max); the softmax is probs * scale (with ``scale`` None: probs is the
+    # softmax itself). The scale is applied in :func:`logits_grad`, with the loss gradient: one pass, not two.
+    probs: torch.Tensor
     target_local: torch.Tensor  # [tokens] index of the target in this shard's rows, or -1
     loss: torch.Tensor | None = None  # [tokens], fp32, once the statistics are combined
     stats: torch.Tensor | None = None  # [3, tokens] fp32: this rank's max, sum of exp(logit - max), target logit
     scale: torch.Tensor | None = None  # [tokens] fp32: exp(local max - M) / Z, once combined
 
 
-def local_output(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard) -> OutputState:
+def local_output(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard,
+                 out: torch.Tensor | None = None) -> OutputState:
     """This rank's logits and softmax statistics, no collective (the first half of S).
 
     ``hidden``: [tokens, hidden] (the final norm's output); ``weight``: [shard.rows, hidden] (this rank's
-    rows of the output layer); ``labels``: [tokens] in the full vocabulary.
+    rows of the output layer); ``labels``: [tokens] in the full vocabulary; ``out``: an fp32 [tokens, rows]
+    buffer to compute the logits in (a freed earlier microbatch's: a fresh one of tens of MiB costs its page
+    faults on the CPU), or None.
     """
-    logits = (hidden @ weight.t()).float()
+    if out is None or tuple(out.shape) != (hidden.shape[0], weight.shape[0]) or out.dtype != torch.float32:
+        logits = (hidden @ weight.t()).float()
+    elif weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+        logits = torch.mm(hidden, weight.t(), out=out)
+    else:
+        logits = out.copy_(hidden @ weight.t())
     held = (labels >= shard.start) & (labels < shard.end)
     target_local = torch.where(held, labels - shard.start, torch.full_like(labels, -1))
     picked = logits.gather(-1, target_local.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     target_logit = torch.where(held, picked, torch.zeros_like(picked))
     local_max = logits.amax(dim=-1)  # (max() also finds the indices: several times slower)
     # In place, one exp over the logits (the pass is bound by its elementwise work on a large shard): the
-    # buffer holds exp(logit - local max), scaled into the softmax once the statistics are in.
+    # buffer holds exp(logit - local max); times the scale of the combined statistics it is the softmax.
     exp = logits.sub_(local_max.unsqueeze(-1)).exp_()
     stats = torch.stack([local_max, exp.sum(dim=-1), target_logit])
     return OutputState(hidden, exp, target_local, stats=stats)
 
 
 def combine_statistics(state: OutputState, gathered: torch.Tensor) -> None:
-    """The loss from every rank's statistics (``gathered``: [ranks, 3, tokens]) and this rank's softmax, in
-    place: ``M = max_s m_s``, ``Z = sum_s z_s exp(m_s - M)``, ``loss = log Z + M - target logit``."""
+    """The loss from every rank's statistics (``gathered``: [ranks, 3, tokens]) and the scale that turns this
+    rank's ``probs`` into its softmax: ``M = max_s m_s``, ``Z = sum_s z_s exp(m_s - M)``,
+    ``loss = log Z + M - target logit``, ``scale = exp(m - M) / Z``. The probs are left as they are (the
+    scale goes in with the loss gradient, :func:`logits_grad`)."""
     maxima, sums, targets = gathered[:, 0], gathered[:, 1], gathered[:, 2]
     global_max = maxima.max(dim=0).values
     total = (sums * (maxima - global_max).exp()).sum(dim=0)
     state.loss = total.log() + global_max - targets.sum(dim=0)
     state.scale = (state.stats[0] - global_max).exp() / total
-    state.probs.mul_(state.scale.unsqueeze(-1))
 
 
 def unit_grad_parts(state: OutputState, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,12 +140,15 @@ def unit_hidden_grad(state: OutputState, parts: tuple[torch.Tensor, torch.Tensor
 
 
 def logits_grad(state: OutputState, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The gradient of this rank's logits, ``(softmax - one-hot(target)) * grad_loss``, in place in the
-    softmax, cast to ``dtype``. The one-hot goes in by ``scatter_add_`` (a row without the target adds 0 at
-    column 0): no ``nonzero``, so no host sync."""
-    held = (state.target_local >= 0).to(state.probs.dtype).unsqueeze(-1)
-    grad = state.probs.scatter_add_(1, state.target_local.clamp(min=0).unsqueeze(-1), -held)
-    return grad.mul_(grad_loss.unsqueeze(-1)).to(dtype)
+    """The gradient of this rank's logits, ``(softmax - one-hot(target)) * grad_loss``, in place in
+    ``probs`` (``probs * (scale * grad_loss) - one-hot * grad_loss``: one pass over the logits), cast to
+    ``dtype``. The one-hot goes in by ``scatter_add_`` (a row without the target adds 0 at column 0): no
+    ``nonzero``, so no host sync."""
+    factor = grad_loss if state.scale is None else state.scale * grad_loss
+    grad = state.probs.mul_(factor.to(state.probs.dtype).unsqueeze(-1))
+    held = (state.target_local >= 0).to(grad.dtype)
+    grad.scatter_add_(1, state.target_local.clamp(min=0).unsqueeze(-1), (-held * grad_loss.to(grad.dtype)).unsqueeze(-1))
+    return grad.to(dtype)
 
 
 def output_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard,

@@ -47,7 +47,9 @@ def input_table(device_of: Sequence[int], num_microbatches: int, comm: float,
     ``vocab_shards`` > 0: the vocabulary passes too (kinds H and G after F, B, W; shard r on device r).
     Their collective inputs are not in the table: every shard's H of a microbatch starts together (the
     timing core's rendezvous), so only the last stage's device lists H's input (the last F, on it) and
-    the last B's (its H, on it); G needs its own H.
+    the last B's (its H, on it); G needs its own H and, on another device, the end of the last stage's
+    device's H, which broadcasts the loss gradient G needs (a collective's result, not a message: a timing
+    input only, not in ``dependencies``; where every shard's H takes as long, the two end together).
     """
     num_stages, m = len(device_of), num_microbatches
     per_kind = num_stages * m
@@ -62,6 +64,8 @@ def input_table(device_of: Sequence[int], num_microbatches: int, comm: float,
         second[num_stages + last] = (num_stages + last - 3 * num_stages - holder) * m  # B(last) <- H
         for shard in range(vocab_shards):
             first[4 * num_stages + shard] = per_kind  # G <- its H
+            if shard != holder:  # G <- the last stage's device's H (the loss gradient's broadcast)
+                second[4 * num_stages + shard] = (num_stages + shard - holder) * m
     for stage, device in enumerate(device_of):
         if stage:
             first[stage] = m

@@ -103,7 +103,7 @@ class StageWork:
         return self.f == self.b == self.w == self.memory == 1.0
 
 
-VOCAB_WORK_FIELDS = ("f", "b", "w", "memory")
+VOCAB_WORK_FIELDS = ("f", "b", "w", "memory", "embedding", "tokens", "holder", "messages")
 
 
 @dataclass(frozen=True)
@@ -115,13 +115,26 @@ class VocabWork:
     8B head at PP 8 is about 0.92 of each). ``memory``: what one microbatch's output layer holds from its
     H pass to its G pass over the whole vocabulary (the logits' gradient and the final hidden state), in
     units of one V chunk F's activation. Each of ``p`` shards does 1/p of it. The embedding's lookup is
-    taken as free (its reductions run once per iteration, outside the passes).
+    taken as free (its collectives run on the vocabulary queue beside the passes). ``embedding`` and
+    ``tokens``: the memory of one microbatch's embedding (b x s x h in the pipeline dtype) and of its tokens
+    (b x s, 8 bytes each), in the same units: the first stage's device holds a few embeddings and their
+    gradients, every device a few microbatches' tokens (:func:`.vocab_embedding.buffer_events`; the
+    simulator's memory timeline counts them). ``holder``: what the H of the last stage's device takes
+    beyond the others' (the script's loss function and the wait for the hidden gradient's reduce, which only
+    that device needs: runtime/vocab_h.py), as a multiple of one V chunk's F; the other devices' G passes
+    wait for the end of that H (the loss gradient it broadcasts). ``messages``: how many message times
+    (``Costs.comm``) every H waits for in its collectives (the hidden state's broadcast and the statistics'
+    gather: 2 by default).
     """
 
     f: float = 0.0
     b: float = 0.0
     w: float = 0.0
     memory: float = 0.0
+    embedding: float = 0.0
+    tokens: float = 0.0
+    holder: float = 0.0
+    messages: float = 2.0
 
     def __post_init__(self) -> None:
         bad = _out_of_range(self, VOCAB_WORK_FIELDS, lambda value: value >= 0)
@@ -130,7 +143,8 @@ class VocabWork:
 
     @classmethod
     def parse(cls, text: str, flag: str = "--vocab-parallel") -> VocabWork:
-        """``"time=0.92"`` (f, b and w alike) or ``"f=0.9,b=0.9,w=1.1,memory=0.3"``; omitted keys are 0."""
+        """``"time=0.92"`` (f, b and w alike) or ``"f=0.9,b=0.9,w=1.1,memory=0.3,embedding=0.02,tokens=0.001"``;
+        omitted keys are 0."""
         values: dict[str, float] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
@@ -147,10 +161,14 @@ class VocabWork:
 
     def shard_times(self, costs: Costs, shards: int) -> tuple[float, float]:
         """(H, G) time of one shard's passes of one microbatch: H is the forward and the input gradient
-        plus two messages' worth of collectives (the final hidden state out, its gradient back; the
-        statistics' gather is a few numbers per token), G the weight gradient."""
-        h = (costs.f * self.f + costs.b * self.b) / shards + 2 * costs.comm
+        plus ``messages`` messages' worth of collectives (the final hidden state out and the statistics'
+        gather; the last stage's device's H takes :meth:`holder_time` more), G the weight gradient."""
+        h = (costs.f * self.f + costs.b * self.b) / shards + self.messages * costs.comm
         return h, costs.w * self.w / shards
+
+    def holder_time(self, costs: Costs) -> float:
+        """What the last stage's device's H takes beyond :meth:`shard_times`' H."""
+        return costs.f * self.holder
 
     def shard_memory(self, shards: int) -> float:
         return self.memory / shards
@@ -401,7 +419,11 @@ class Schedule:
 
     def pass_cost(self, action: Action, costs: Costs) -> float:
         if isinstance(action.kind, VocabKind):
-            return vocab_pass_times(costs, self.num_devices)[action.kind is VocabKind.G]
+            h, g = vocab_pass_times(costs, self.num_devices)
+            if action.kind is VocabKind.G:
+                return g
+            holder = self.placement.device_of(self.num_stages - 1)
+            return h + (costs.vocab.holder_time(costs) if action.stage == holder else 0.0)
         return costs.of(action.kind, action.stage) * self.placement.layer_scale
 
     def activation(self, stage: int | None = None, costs: Costs | None = None) -> float:

@@ -15,6 +15,7 @@ from .gc_pause import without_gc
 from .ledger import pass_deltas
 from .schedule import Costs, MemoryModel, Schedule, ScheduleError, vocab_pass_times
 from .timing import KINDS, Interval, PassIds, ProgramTimes, Timeline, run_programs, stage_durations
+from .vocab_embedding import buffer_events
 
 __all__ = ["DeadlockError", "Interval", "SimulationResult", "simulate"]
 
@@ -100,7 +101,9 @@ def simulate(
     # Memory deltas per (kind, stage), indexed like the durations (pass id // microbatches): the
     # ledger's, so the generators cap under the count reported here.
     deltas = pass_deltas(schedule.placement, costs, memory)
-    mem_timelines = tuple(_memory_timeline(times, program, deltas) for program in times.programs)
+    buffers = _vocab_buffer_events(schedule, costs, times)
+    mem_timelines = tuple(_memory_timeline(times, program, deltas, extra)
+                          for program, extra in zip(times.programs, buffers))
     peaks = tuple(max((v for _, v in tl), default=0.0) for tl in mem_timelines)
     timeline = Timeline(times, schedule.programs)
     return SimulationResult(schedule, costs, timeline, makespan, most_work, bubble, peaks, mem_timelines, tuple(work),
@@ -145,7 +148,13 @@ def pass_durations(schedule: Schedule, costs: Costs, vocab_parallel: bool | None
         per_stage = [(f + a2a, b + a2a, w) for f, b, w in per_stage]
     with_vocab = schedule.vocab_parallel if vocab_parallel is None else vocab_parallel
     shards = schedule.num_devices if with_vocab else 0
-    return stage_durations(per_stage, vocab_pass_times(costs, shards) if shards else None, shards)
+    if not shards:
+        return stage_durations(per_stage)
+    h, g = vocab_pass_times(costs, shards)
+    # The last stage's device's H also runs the loss function and waits for the hidden gradient's reduce.
+    holder = schedule.placement.device_of(schedule.num_stages - 1)
+    extra = costs.vocab.holder_time(costs)
+    return stage_durations(per_stage, (tuple(h + (extra if r == holder else 0.0) for r in range(shards)), g), shards)
 
 
 def pair_table(schedule: Schedule, costs: Costs) -> dict[int, tuple[int, float]]:
@@ -194,12 +203,38 @@ def _exposed_a2a(schedule: Schedule, costs: Costs, times: ProgramTimes,
     return tuple(out)
 
 
-def _memory_timeline(times: ProgramTimes, program: list[int], deltas) -> tuple[tuple[float, float], ...]:
+def _vocab_buffer_events(schedule: Schedule, costs: Costs, times: ProgramTimes) -> list[list[tuple[float, float]]]:
+    """Per device, (time, change) of the embedding's buffers (:func:`.vocab_embedding.buffer_events`: the first
+    stage's embeddings and gradients, every device's tokens), in the memory timeline's units; empty lists
+    without vocabulary passes or without their ``embedding`` / ``tokens`` memory."""
+    vocab = costs.vocab
+    if not schedule.vocab_parallel or vocab is None or not (vocab.embedding or vocab.tokens):
+        return [[] for _ in times.programs]
+    first = schedule.placement.device_of(0)
+    out = []
+    for ids, events in zip(times.programs, buffer_events(schedule.programs, first, training=True)):
+        timed = []
+        for event in events:
+            if event.index < len(ids):
+                x = ids[event.index]
+                at = times.end[x] if event.at_end else times.start[x]
+            else:  # the call's end
+                at = max((times.end[x] for x in ids), default=0.0)
+            # In units of one microbatch over L/d layers, like the passes' deltas (one V chunk F is half of one).
+            timed.append((at, (event.embeddings * vocab.embedding + event.tokens * vocab.tokens) / 2.0))
+        out.append(timed)
+    return out
+
+
+def _memory_timeline(times: ProgramTimes, program: list[int], deltas,
+                     extra: list[tuple[float, float]] = ()) -> tuple[tuple[float, float], ...]:
     """Activation memory of one device after each allocation/release event, in units.
 
     F (and a vocabulary H) allocates at its start; B and W (and G) release at their end. Releases at
     the same instant as an allocation are applied first. A device runs its program in order, so its
     allocations and its releases each come in time order already: merging the two is enough (no sort).
+    ``extra``: more (time, change) events (the embedding's buffers), merged in time order (a release first
+    at equal times).
     """
     per_kind = times.ids.per_kind
     m = times.ids.num_microbatches
@@ -210,6 +245,9 @@ def _memory_timeline(times: ProgramTimes, program: list[int], deltas) -> tuple[t
     allocs = [(times.start[x], deltas[x // m]) for x in program if allocates(x)]
     releases = [(times.end[x], deltas[x // m]) for x in program if not allocates(x)]
     releases = [event for event in releases if event[1]]
+    if extra:
+        allocs = sorted(allocs + [e for e in extra if e[1] > 0], key=lambda e: e[0])
+        releases = sorted(releases + [e for e in extra if e[1] < 0], key=lambda e: e[0])
     # Merge (releases first at equal times), then the running level.
     merged: list[tuple[float, float]] = []
     i, j, n_allocs, n_releases = 0, 0, len(allocs), len(releases)

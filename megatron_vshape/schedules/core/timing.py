@@ -245,11 +245,15 @@ def stage_durations(per_stage, vocab: tuple[float, float] | None = None, vocab_s
     return table + vocab_rows(vocab, vocab_shards, len(per_stage))
 
 
-def vocab_rows(values: tuple[float, float], shards: int, num_stages: int) -> tuple[float, ...]:
-    """The H and G rows of a flat (kind, stage) table: ``values`` = (H's, G's), one per shard (shard r is
-    row r), the rest of each row unused (0)."""
+def vocab_rows(values, shards: int, num_stages: int) -> tuple[float, ...]:
+    """The H and G rows of a flat (kind, stage) table: ``values`` = (H's, G's), each one value for every
+    shard or a tuple of one per shard (shard r is row r), the rest of each row unused (0)."""
     pad = (0.0,) * (num_stages - shards)
-    return (values[0],) * shards + pad + (values[1],) * shards + pad
+
+    def row(value) -> tuple[float, ...]:
+        return tuple(value) if isinstance(value, tuple) else (value,) * shards
+
+    return row(values[0]) + pad + row(values[1]) + pad
 
 
 def _ids_of(program, ids: PassIds) -> list[int]:

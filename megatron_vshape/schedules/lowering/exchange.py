@@ -78,9 +78,9 @@ from typing import NamedTuple
 
 from ..core.actions import Kind, VocabKind
 from ..core.schedule import Costs, vocab_pass_times
+from ..core.vocab_embedding import embedding_slots, token_slots
 from .drive import drive
 from .messages import CommError, DevicePlan, Message, with_arrivals
-from .vocab_embedding import embedding_slots
 
 PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
 PIPELINE_GROUP = "pipeline"  # the whole pipeline group (ranks lo..hi): the vocabulary passes' collectives
@@ -488,29 +488,42 @@ def _emit_a2a(ops: list[Op], rank: int, plan, index: int, expert_layers: Sequenc
 
 class _EmbeddingOps:
     """The embedding's collectives on one rank (runtime/vocab_embedding.py): at each slot the earlier
-    slots' collectives are waited for (settled), then D(k) and E(k) posted; the first stage's rank waits
-    for E(k) right before its F(0, k) instead."""
+    slots' collectives are waited for (settled), then (slot 0) its lookups' tokens T(k) posted, D(k) posted,
+    each E(k) posted after waiting for its tokens, and the next slot's tokens posted; the first stage's rank
+    waits for E(k) right before its F(0, k) instead of at the next slot."""
 
     def __init__(self, first: bool, slots, num_ranks: int):
         self.first, self.slots, self.next = first, slots, 0
+        self.tokens_at = token_slots(slots)
         self.whole = Communicator(PIPELINE_GROUP, 0, num_ranks - 1)
         self.lookups: dict[int, int] = {}  # first stage: microbatch -> its E's position
+        self.tokens: dict[int, int] = {}  # microbatch -> its T's position, until its E waits for it
         self.unsettled: list[int] = []
 
     def settle(self, ops: list[Op]) -> None:
         ops.extend(Op(OpKind.WAIT, index=position) for position in self.unsettled)
         self.unsettled.clear()
 
+    def _post(self, ops: list[Op], label: str) -> int:
+        ops.append(Op(OpKind.COLLECTIVE, self.whole, queue=VOCAB_QUEUE, label=label))
+        return len(ops) - 1
+
     def slot(self, ops: list[Op]) -> None:
         slot, self.next = self.next, self.next + 1
         self.settle(ops)
-        for what, microbatches in (("D", self.slots.grads[slot]), ("E", self.slots.lookups[slot])):
-            for k in microbatches:
-                ops.append(Op(OpKind.COLLECTIVE, self.whole, queue=VOCAB_QUEUE, label=f"{what}{k} embedding"))
-                if self.first and what == "E":
-                    self.lookups[k] = len(ops) - 1
-                else:
-                    self.unsettled.append(len(ops) - 1)
+        for k in self.slots.lookups[0] if slot == 0 else ():
+            self.tokens[k] = self._post(ops, f"T{k} tokens")
+        for k in self.slots.grads[slot]:
+            self.unsettled.append(self._post(ops, f"D{k} embedding"))
+        for k in self.slots.lookups[slot]:
+            ops.append(Op(OpKind.WAIT, index=self.tokens.pop(k)))
+            position = self._post(ops, f"E{k} embedding")
+            if self.first:
+                self.lookups[k] = position
+            else:
+                self.unsettled.append(position)
+        for k in self.tokens_at[slot]:
+            self.tokens[k] = self._post(ops, f"T{k} tokens")
 
 
 def _emit_h(ops: list[Op], step: int, microbatch: int, holder: bool, training: bool, num_ranks: int) -> tuple[int, ...]:

@@ -49,9 +49,8 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..core.actions import VocabKind
 from ..core.schedule import Costs
-from .exchange import EXPERT_GROUP, PIPELINE_GROUP, VOCAB_QUEUE, Communicator, Op, OpKind, Transfer, warmup_program
+from .exchange import EXPERT_GROUP, Communicator, Op, OpKind, Transfer, warmup_program
 from .messages import CommError, DevicePlan
 from .program import Program, exchange, forward_only, from_plans
 
@@ -303,14 +302,6 @@ def with_expert_replicas(programs: Sequence[Sequence[Sequence[Op]]], expert_para
     return [[[op_of(op, r) for op in ops] for ops in programs[p]] for r in range(expert_parallel) for p in range(d)]
 
 
-def vocab_call_segment(num_ranks: int) -> tuple[Op, ...]:
-    """The collective the runtime issues before one call's exchange program with vocabulary passes, on the
-    vocabulary queue, waited at once: the prologue's tokens broadcast (runtime/vocab_iteration.py). A
-    segment of its own (a WAIT names a POST by its position within a segment)."""
-    whole = Communicator(PIPELINE_GROUP, 0, num_ranks - 1)
-    return (Op(OpKind.COLLECTIVE, whole, queue=VOCAB_QUEUE, label="call"), Op(OpKind.WAIT, index=0))
-
-
 def check_exchange(plans: Sequence[DevicePlan], single_queue: Sequence[bool] = (True, False),
                    costs: Costs = Costs()) -> None:
     """:func:`check_program` from messages-level ``plans``: the chain's forward-only and exchange passes
@@ -321,11 +312,9 @@ def check_exchange(plans: Sequence[DevicePlan], single_queue: Sequence[bool] = (
 
 def _check_calls(train, evaluate, single_queue: Sequence[bool], expert_parallel: int = 2) -> None:
     d = len(train)
-    vocab = any(step.action.kind is VocabKind.H for rank in train for step in rank.steps)
-    calls = vocab_call_segment(d) if vocab else ()
-    # The prologue's tokens broadcast before each call; the embedding's collectives, the epilogue's included,
+    # With vocabulary passes the embedding's collectives, the tokens' and the prologue's and epilogue's included,
     # are in the call's own program (exchange.py, _EmbeddingOps).
-    programs = [(warmup_program(r, d), calls, t.exchange, calls, e.exchange)
+    programs = [(warmup_program(r, d), t.exchange, e.exchange)
                 for r, (t, e) in enumerate(zip(train, evaluate))]
     if expert_parallel > 1 and has_expert_a2a(programs):
         programs = with_expert_replicas(programs, expert_parallel)
