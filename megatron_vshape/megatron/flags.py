@@ -105,7 +105,7 @@ def parse_pipeline_costs(text: str):
         costs = Costs.parse(text)
     except ValueError as err:
         raise ConfigError(f"--pipeline-costs: {str(err).removeprefix('--costs: ')}") from None
-    if costs.a2a:  # a2a builds overlapped F&B pairs, which the executor would run one after the other
-        raise ConfigError("--pipeline-costs: a2a (overlapped F&B pairs hiding the MoE all-to-all) is for the "
-                          "simulator until the executor runs pairs (issue 43); drop a2a from --pipeline-costs")
+    if costs.a2a:  # the pairs come with --overlap-moe-expert-parallel-comm (moe_overlap.py), at its own a2a
+        raise ConfigError("--pipeline-costs: a2a (overlapped F&B pairs hiding the MoE all-to-all) is set by "
+                          "--overlap-moe-expert-parallel-comm under a V schedule (1 x F); drop a2a from --pipeline-costs")
     return costs

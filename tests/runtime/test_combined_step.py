@@ -6,7 +6,7 @@ experts, top-2, alltoall, aux loss, two iterations on the same weights and data.
 router included) and every loss must equal a one-process run's, and the B/W split must still defer W. The flag's
 bf16 rule is Megatron's, about its GPU kernels: here the flag is set on an fp32 config after its checks, so the
 combined path is held to the fp32 tolerance of every other exactness run (the bf16 runs through Megatron-LM's
-``pretrain_gpt.py`` are ``tests/megatron/test_moe_overlap.py``'s launches).
+``pretrain_gpt.py`` are ``tests/megatron/test_moe_overlap_train.py``'s launches).
 """
 
 from __future__ import annotations
