@@ -15,6 +15,7 @@ import pytest
 
 from megatron_vshape.testing.recipe_workers import RecipeSpec, run_recipe_check
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
 TOLERANCE = 1e-6
 
 
