@@ -69,13 +69,14 @@ class _Place:
     rules a place out by a lower bound on its pace never runs it. Two bounds: ``cheap`` (made with the place)
     and :meth:`bound` (at least as high, made when asked: :class:`_Bounds`)."""
 
-    __slots__ = ("breaks", "cheap", "_bounds", "_bound", "_trial", "_prefix_after")
+    __slots__ = ("breaks", "cheap", "later", "_bounds", "_bound", "_trial", "_prefix_after")
 
     def __init__(self, bounds: _Bounds, breaks: tuple[int, ...], cheap: float):
         self.breaks, self.cheap, self._bounds = breaks, cheap, bounds
         self._bound: float | None = None
         self._trial: _Trial | None | bool = False  # False: not timed yet; None: H never meets there
         self._prefix_after: TimedPrefix | None = None
+        self.later: ProgramTimes | None = None  # the next rendezvous's relaxed run after it (``best``)
 
     def bound(self) -> float:
         if self._bound is None:
@@ -157,11 +158,13 @@ class _HPlacer:
                                solo)
 
     def trials(self, programs: list[list[int]], times: ProgramTimes, prefix: TimedPrefix | None,
-               n: int) -> list[_Place]:
+               n: int, later: list[float] | None = None) -> list[_Place]:
         """Every place for the n-th rendezvous that its meeting times give (``_meeting_times``), in the order
         of those times, untimed. Each one's cheap bound: the rendezvous starts once the last device reaches its
         H (no pass before a break moves earlier than it ran without this H), and the last stage's device then
-        runs its H and its passes up to its next forward (to its end after the last H) one after another."""
+        runs its H and its passes up to its next forward (to its end after the last H) one after another.
+        ``later``: the end of every pass when the programs run without this H as far as its places look (no
+        place runs a pass earlier: their better bounds start from these times; ``times`` alone otherwise)."""
         forward = self.forwards[n]
         lowest = prefix.cursor if prefix else (0,) * self.num_devices
         free = prefix.free if prefix else (0.0,) * self.num_devices
@@ -170,7 +173,7 @@ class _HPlacer:
         to = holder.index(self.forwards[n + 1]) + 1 if n + 1 < len(self.forwards) else len(holder)
         busy = self.h_time + self.before[self.holder][to - n] - self.before[self.holder][after - n]
         t_k = times.end[forward]
-        bounds = _Bounds(self, programs, times, prefix, n, after)
+        bounds = _Bounds(self, programs, times, prefix, n, after, later)
         out, seen = [], set()
         end, cursor = times.end, times.cursor
         at = list(lowest)  # per device, after its passes that end by the meeting time (later meetings: no fewer)
@@ -215,11 +218,12 @@ class _HPlacer:
         early. The last rendezvous has no next one: the earliest pace wins. Returned with the next rendezvous's
         places after it where the look-ahead made them (the next step starts from them).
 
-        Branch and bound, with the choice of timing every place and looking ahead from every one: places are
-        timed in the order of their bounds only while a bound can still beat the best found by more than
-        ``_BOUND_MARGIN`` (``_in_order``). A place's next pace is at least its own pace plus what the last
-        stage's device runs in between (the next H included), and at least its next places' bounds, which
-        are timed in their order only while one can still be the earliest (``_earliest_pace``)."""
+        Branch and bound, with the choice of timing every place and looking ahead from every one: a place is
+        timed, and looked ahead from, only while a lower bound on its next pace can still beat the best found
+        by more than ``_BOUND_MARGIN``. A place's next pace is at least its own pace plus what the last stage's
+        device runs in between (the next H included), at least the next pace of the relaxed run, and at least
+        its next places' bounds, which are timed in their order only while one can still be the earliest
+        (``_earliest_pace``)."""
         if n + 1 == len(self.forwards):
             chosen: list[tuple[float, int]] = []
             for i, trial in _in_order(places, lambda: chosen[0][0] if chosen else math.inf):
@@ -229,16 +233,52 @@ class _HPlacer:
             return self._found(places, chosen[0] if chosen else None), None
         busy = self._busy_to_next_pace(places[0]._bounds.programs[self.holder], n)
         best: list = []  # [(key, index), its next pace unrounded, its next places]
-        for i, trial in _in_order(places, lambda: best[1] - busy if best else math.inf):
-            if best and trial.pace + busy - _BOUND_MARGIN > best[1]:
-                continue
+        # Best first over every place's lower bound on its next pace, each made better only when it comes
+        # first: its pace's bounds plus ``busy`` (cheap, then better), its pace plus ``busy`` once timed, then the
+        # pace the next rendezvous has in the relaxed run (``relaxed``: no next place's pace is earlier), then
+        # the look-ahead itself; stopped once every bound is later than the best next pace by the margin.
+        heap = [(place.cheap + busy, i, 0) for i, place in enumerate(places)]
+        heapq.heapify(heap)
+        while heap and heap[0][0] - _BOUND_MARGIN <= (best[1] if best else math.inf):
+            key, i, stage = heapq.heappop(heap)
             place = places[i]
-            ahead = self.trials(trial.programs, trial.times, place.prefix_after(), n + 1)
-            next_pace = self._earliest_pace(ahead, best[1] if best else math.inf)
-            key = ((round(next_pace, 9), round(trial.pace, 9)), i)
-            if not best or key < best[0]:
-                best[:] = [key, next_pace, ahead]
+            if stage == 0 and best:
+                heapq.heappush(heap, (place.bound() + busy, i, 1))
+            elif stage <= 1:
+                trial = place.timed()
+                if trial is not None:
+                    heapq.heappush(heap, (max(key, trial.pace + busy), i, 2))
+            elif stage == 2:
+                place.later = self.relaxed(place.timed().programs, place.prefix_after(), n + 1)
+                heapq.heappush(heap, (max(key, self._pace_of(place.later, n + 1)), i, 3))
+            else:
+                trial = place.timed()
+                ahead = self.trials(trial.programs, trial.times, place.prefix_after(), n + 1, place.later.end)
+                next_pace = self._earliest_pace(ahead, best[1] if best else math.inf)
+                choice = ((round(next_pace, 9), round(trial.pace, 9)), i)
+                if not best or choice < best[0]:
+                    best[:] = [choice, next_pace, ahead]
         return self._found(places, best[0] if best else None), best[2] if best else None
+
+    def relaxed(self, programs: list[list[int]], prefix: TimedPrefix, n: int) -> ProgramTimes:
+        """The programs timed from ``prefix`` as far as the n-th rendezvous's places look, with its H on the last
+        stage's device alone, run without waiting for the other shards, and on no other device (fewer
+        constraints than every place: no pass ends later there; ``run_id_programs``' ``solo_pass``)."""
+        forward = self.forwards[n]
+        h = self.ids.of(Action(VocabKind.H, self.holder, forward % self.m))
+        holder = list(programs[self.holder])
+        holder.insert(holder.index(forward) + 1, h)
+        relaxed = list(programs)
+        relaxed[self.holder] = holder
+        return self.run(relaxed, prefix, n, solo=h)
+
+    def _pace_of(self, times: ProgramTimes, n: int) -> float:
+        """The n-th rendezvous's pace in ``times`` (the end of the last stage's next forward; after the last
+        H, of every device's last pass), or 0 where not timed."""
+        if n + 1 < len(self.forwards):
+            return max(times.end[self.forwards[n + 1]], 0.0)
+        ends = [times.end[program[-1]] for program in times.programs if program]
+        return max(ends) if ends and min(ends) >= 0 else 0.0
 
     @staticmethod
     def _earliest_pace(places: list[_Place], beat: float) -> float:
@@ -266,20 +306,31 @@ class _Bounds:
     """Lower bounds on the pace of the n-th rendezvous's places (:meth:`pace`), without timing them.
 
     Every trial holds the passes timed before this H and more, so no pass of a trial ends earlier than it
-    did there. At a place, the rendezvous starts once the last device reaches its H; a pass after its
+    did there (nor than in a run of the same programs without this H: ``later``). At a place, the rendezvous starts once the last device reaches its H; a pass after its
     device's H ends no earlier than that H's end plus the passes from there to it, one after another, nor
     than its inputs' bounds plus their delays and its own time. The pace is the last stage's next forward's;
     after the last H, every device's last pass's."""
 
     def __init__(self, placer: _HPlacer, programs: list[list[int]], times: ProgramTimes,
-                 prefix: TimedPrefix | None, n: int, after: int):
+                 prefix: TimedPrefix | None, n: int, after: int, later: list[float] | None = None):
         self.placer, self.programs, self.prefix, self.n, self.after = placer, programs, prefix, n, after
-        self.parent_end = times.end
+        self.parent_end = later if later is not None else times.end
         self.lowest = prefix.cursor if prefix else (0,) * placer.num_devices
         self.free = prefix.free if prefix else (0.0,) * placer.num_devices
         self.t_k = times.end[placer.forwards[n]]
         self.h = placer.ids.of(Action(VocabKind.H, placer.holder, placer.forwards[n] % placer.m))
         self.pace_pass = placer.forwards[n + 1] if n + 1 < len(placer.forwards) else -1
+        # The last stage's device after this H, to the pace's pass (to its end after the last H): each pass's
+        # time and inputs.
+        holder = programs[placer.holder]
+        to = holder.index(self.pace_pass) + 1 if self.pace_pass >= 0 else len(holder)
+        _, first, first_delay, second, second_delay = placer.table
+        self.chain = []
+        for x in holder[after:to]:
+            k = x // placer.m
+            inputs = tuple((x - offset, delay) for offset, delay in ((first[k], first_delay[k]),
+                                                                     (second[k], second_delay[k])) if offset)
+            self.chain.append((placer.durations[k], inputs))
 
     def _ended(self, x: int) -> float:
         """Pass ``x``'s end before this H (0 where that run did not time it)."""
@@ -326,9 +377,17 @@ class _Bounds:
                 bound[stack.pop()] = max(got, ready + durations[k])
             return bound[x]
 
+        # The last stage's device after its H: each pass after the one before it and after its inputs' bounds.
+        chained = ended[placer.holder]
+        for duration, inputs in self.chain:
+            for y, delay in inputs:
+                ready = ends(y) + delay
+                if ready > chained:
+                    chained = ready
+            chained += duration
         if self.pace_pass >= 0:
-            return ends(self.pace_pass)
-        makespan = 0.0
+            return max(chained, ends(self.pace_pass))
+        makespan = chained
         for device, program in enumerate(self.programs):
             if len(program) > self.lowest[device]:
                 makespan = max(makespan, ends(program[-1]))
