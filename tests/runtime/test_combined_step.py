@@ -2,7 +2,8 @@
 
 With ``overlap_moe`` every training F and B goes through ``combined_1f1b.combined_forward_backward_step`` and
 each pair of the schedule is one call of it (``runtime/combined_step.py``): MoE with EP 2 inside DP 2, PP 2, 4
-experts, top-2, alltoall, aux loss, two iterations on the same weights and data. Every gradient (experts and
+experts, top-2, alltoall, aux loss, DP overlap (--overlap-grad-reduce, small buckets), two iterations on the
+same weights and data. Every gradient (experts and
 router included) and every loss must equal a one-process run's, and the B/W split must still defer W. The flag's
 bf16 rule is Megatron's, about its GPU kernels: here the flag is set on an fp32 config after its checks, so the
 combined path is held to the fp32 tolerance of every other exactness run (the bf16 runs through Megatron-LM's
@@ -20,7 +21,10 @@ TOLERANCE = 1e-6
 
 
 def _check(schedules: tuple[str, ...]) -> dict:
-    spec = RecipeSpec(schedules=schedules, pp=2, dp=2, ep=2, num_experts=4, iterations=2, overlap_moe=True)
+    # DP overlap with every bucket reduction completing at its launch: a bucket launched before the last W of one
+    # of its weights (a pair's deferred W included) would leave that W's part un-reduced, deterministically.
+    spec = RecipeSpec(schedules=schedules, pp=2, dp=2, ep=2, num_experts=4, iterations=2, overlap_moe=True,
+                      overlap_grad_reduce=True, sync_bucket_launch=True)
     results = run_recipe_check(spec, timeout=400)
     assert sorted(results) == sorted(schedules)
     for name, row in results.items():
@@ -29,6 +33,7 @@ def _check(schedules: tuple[str, ...]) -> dict:
         assert row["max_grad_rel_err"] <= TOLERANCE, (name, row)
         assert row["max_loss_abs_err"] <= TOLERANCE, (name, row)
         assert row["wgrad_deferred"] > 0, (name, row)  # the pair's W is still split off and deferred
+        assert row["late_launches"] == [0, 0] and row["early_launches"] == [row["buckets"]] * 2, (name, row)
     return results
 
 
