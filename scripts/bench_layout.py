@@ -88,6 +88,11 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     h_waits = _h_waits(gathered[VOCAB])
     in_run = {name: _simulate_as_ran(rows[name][0].schedule(world_size, microbatches), by_rank, times[name])
               for name, by_rank in gathered.items()}
+    # Each timed step on its own: its passes' costs, simulated, plus its time outside them (under a varying load
+    # the mean costs of all steps predict the mean step, not the median one the table reports).
+    per_step = {name: [_simulate_as_ran(rows[name][0].schedule(world_size, microbatches),
+                                        [calls[i:i + 1] for calls in by_rank], times[name][i:i + 1]).seconds
+                       for i in range(len(times[name]))] for name, by_rank in gathered.items()}
     parallel_state.destroy_model_parallel()
     predicted = {"uniform": 1.0, FLOPS: flops_choice.iteration_time / flops_choice.reference_time,
                  MEASURED: measured_choice.iteration_time / measured_choice.reference_time,
@@ -95,7 +100,7 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     planned = _spread_ratio(model, schedule, world_size, microbatches, uniform, costs, extras, spread)
     return {"times": times, "cpu": cpu, "counts": counts, "predicted": predicted, "stage_times": stage_times,
             "vocab_passes": vocab_passes, "in_run": {name: vars(row) for name, row in in_run.items()},
-            "vocab_planned": planned, "h_waits": h_waits,
+            "vocab_planned": planned, "h_waits": h_waits, "step_predicted": per_step,
             "vocab_predicted": _spread_pass_times(schedule, world_size, spread),
             "extras": {"embedding": extras.embedding, "head": extras.head}}
 
@@ -486,11 +491,20 @@ def _report(args, result) -> dict:
         print(f"    {name:16s} simulated {row['makespan'] * 1e3:8.1f} ms + outside the passes {row['outside'] * 1e3:6.1f} ms"
               f" = {(row['makespan'] + row['outside']) * 1e3:8.1f} ms (measured {median[name] * 1e3:8.1f}); costs ms: "
               + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["costs"].items()))
+    steps = result["step_predicted"]
+    step_ratio = [(v / u) / (pv / pu) for u, v, pu, pv in zip(times["uniform"], times[VOCAB], steps["uniform"],
+                                                              steps[VOCAB])]
+    step_each = {name: statistics.median(t / p for t, p in zip(times[name], steps[name])) for name in steps}
+    print(f"    per step (each step's own passes simulated, plus its time outside them): measured / predicted, median "
+          f"over the steps: uniform {step_each['uniform']:.3f}, {VOCAB} {step_each[VOCAB]:.3f}; the ratio "
+          f"{statistics.median(step_ratio):.3f} (predicted ratio {statistics.median(pv / pu for pu, pv in zip(steps['uniform'], steps[VOCAB])):.3f})")
     print(f"    measured ratio / predicted: {paired[VOCAB] / predicted[VOCAB]:.3f} (paired), "
           f"{median[VOCAB] / median['uniform'] / predicted[VOCAB]:.3f} (medians); passes alone predicted "
           f"{in_run[VOCAB]['makespan'] / in_run['uniform']['makespan']:.3f}; planned from the calibration run "
           f"{result['vocab_planned']:.3f}")
-    return {"config": vars(args), "vocab_pass_s": measured, "h_waits_ms": result["h_waits"], "vocab_pass_predicted_s": want, "in_run": in_run,
+    return {"config": vars(args), "vocab_pass_s": measured, "h_waits_ms": result["h_waits"],
+            "step_predicted_s": steps, "step_measured_over_predicted": step_each,
+            "step_ratio_measured_over_predicted": statistics.median(step_ratio), "vocab_pass_predicted_s": want, "in_run": in_run,
             "vocab_planned_ratio": result["vocab_planned"], "layouts": {k: list(v) for k, v in counts.items()}, "times_s": times,
             "median_s": median, "cpu_s": result["cpu"], "median_cpu_s": cpu, "paired_ratio": paired, "predicted_ratio": predicted, "extras": extras,
             "stage_times_s": result["stage_times"]}
