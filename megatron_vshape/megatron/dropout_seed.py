@@ -172,6 +172,7 @@ def attach(models) -> int:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     _carry_position_into_recompute()
+    attach_plan_reseeding()
     hooked = 0
     for model in models:
         for module in _unwrap(model).modules():
@@ -223,9 +224,59 @@ class InvariantDropout:
         def forward_step(data_iterator, model, *args, **kwargs):
             position = _Position(self.seed, self.iteration, self._next_microbatch(model), self.tp_rank)
             with _current.holding(position):
-                return forward_step_func(data_iterator, model, *args, **kwargs)
+                result = forward_step_func(data_iterator, model, *args, **kwargs)
+            if kwargs.get("return_schedule_plan"):  # the combined 1F1B step runs the plan later: it takes the position
+                _mark_plan(result[0], position)
+            return result
 
         return forward_step
+
+
+# Megatron's combined 1F1B step (--overlap-moe-expert-parallel-comm) runs a chunk's layers from its schedule plan's
+# nodes, not through the layer modules' forward: the pre-hooks above never fire there. The forward step marks the
+# plan it returns with its position; while a marked plan runs, the position is held (the embedding's pre-hook
+# reseeds as in a plain forward) and each layer is reseeded as its forward begins (the plan's per-layer run),
+# before the layer draws anything. In a pair the B's nodes between draw nothing (no recomputation with the flag).
+_PLAN_POSITION = "_vshape_dropout_position"
+
+
+def _mark_plan(plan, position: _Position) -> None:
+    if not hasattr(plan, "num_layers"):
+        return
+    setattr(plan, _PLAN_POSITION, position)
+    for i in range(plan.num_layers()):
+        setattr(plan.get_layer(i), _PLAN_POSITION, position)
+
+
+def attach_plan_reseeding() -> bool:
+    """Wrap the schedule plans' runs (idempotent); False where megatron-core has no schedule plans."""
+    try:
+        from megatron.core.models.common import model_chunk_schedule_plan as plans
+    except ImportError:
+        return False
+    layer_plan, chunk_plan = plans.TransformerLayerSchedulePlan, plans.TransformerModelChunkSchedulePlan
+    if getattr(layer_plan.run, _HOOKED, False):
+        return True
+    layer_run, chunk_run = layer_plan.run, chunk_plan.run
+
+    @functools.wraps(layer_run)
+    def run_layer(f_layer, b_layer, *args, **kwargs):
+        position = getattr(f_layer, _PLAN_POSITION, None) if f_layer is not None else None
+        if position is not None and f_layer.layer.training:
+            reseed(position, int(f_layer.layer.layer_number))
+        return layer_run(f_layer, b_layer, *args, **kwargs)
+
+    @functools.wraps(chunk_run)
+    def run_chunk(f_schedule_plan, b_schedule_plan, *args, **kwargs):
+        position = getattr(f_schedule_plan, _PLAN_POSITION, None) if f_schedule_plan is not None else None
+        holding = _current.holding(position) if position is not None else contextlib.nullcontext()
+        with holding:
+            return chunk_run(f_schedule_plan, b_schedule_plan, *args, **kwargs)
+
+    setattr(run_layer, _HOOKED, True)
+    layer_plan.run = staticmethod(run_layer)
+    chunk_plan.run = staticmethod(run_chunk)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ TESTED = (
     TestedVersion("0.16.1"),
     TestedVersion("0.19.2"),
     TestedVersion("0.20.0", commit="d98e8a64",
-                  fingerprint="d367aa76e27f7cd951c3ca034c20f226b72f90f4bbafa1d4a6ceafa25dd3752c"),
+                  fingerprint="e07ba6df26acb3c291115a42638f0ab2ef5a9a8e93c7100694e6b5430928ab7e"),
 )
 TESTED_VERSIONS = tuple(str(tested) for tested in TESTED)
 
@@ -88,6 +88,7 @@ _DISTOPT = "megatron.core.optimizer.distrib_optimizer"
 _FULLY_PARALLEL = "megatron.core.dist_checkpointing.strategies.fully_parallel"
 _PP_UTILS = "megatron.core.pipeline_parallel.utils"
 _COMBINED = "megatron.core.pipeline_parallel.combined_1f1b"
+_PLANS = "megatron.core.models.common.model_chunk_schedule_plan"
 _COMBINED_STEP = ("forward_step_func", "data_iterator", "f_model", "num_microbatches", "input_tensor",
                   "forward_data_store", "b_model", "b_input_tensor", "b_output_tensor", "b_output_tensor_grad",
                   "config", "f_model_chunk_id", "pre_forward", "pre_backward", "post_forward", "post_backward",
@@ -140,6 +141,13 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.pipeline_parallel.schedules", "forward_step_calc_loss",
           ("model", "output_tensor", "loss_func", "config", "vp_stage", "collect_non_loss_data", "num_microbatches",
            "forward_data_store", "cp_group_size", "is_last_stage"), Group.MOE_OVERLAP),
+    # dropout_seed.attach_plan_reseeding: the schedule plans' runs, wrapped so that schedule-invariant dropout
+    # reaches the layers the combined step runs from the plan's nodes (their forward hooks never fire there)
+    Patch(_PLANS, "TransformerLayerSchedulePlan.run",
+          ("f_layer", "b_layer", "f_input", "b_grad", "is_last_layer_in_bwd"), Group.MOE_OVERLAP),
+    Patch(_PLANS, "TransformerModelChunkSchedulePlan.run",
+          ("f_schedule_plan", "b_schedule_plan", "b_grad", "pre_forward", "pre_backward", "post_forward",
+           "post_backward"), Group.MOE_OVERLAP),
     # model_chunks.install_checkpoint_fixes: a V's tied copies in a fully parallel save; the fully_reshardable
     # optimizer save's bucket offsets (megatron-core < 0.20)
     Patch(_FULLY_PARALLEL, "distribute_main_replicas_with_precomputed_distribution",

@@ -83,7 +83,7 @@ NOT_RUN = (
      "(tests/runtime/test_executor_exact.py) with a norm that supports it"),
     ("--overlap-moe-expert-parallel-comm", "runs under the V schedules (overlapped F&B pairs through Megatron's "
      "combined 1F1B step) and refused under the other split schedules; not a factor: it needs bf16 and MoE with EP 2 "
-     "together and matches Megatron's combined 1F1B only without dropout, so its own launches run it "
+     "together, so its own launches run it "
      "(tests/megatron/test_moe_overlap_train.py, gradient-exact: tests/runtime/test_combined_step.py)"),
     ("FP8, --tp-comm-overlap, TE kernels", "need a GPU"),
 )

@@ -71,7 +71,8 @@ def test_the_patch_table_names_the_combined_step_with_its_signature():
     entry = patches.COMBINED_STEP
     assert entry in patches.PATCHES and entry.group is patches.Group.MOE_OVERLAP
     group = [p for p in patches.PATCHES if p.group is patches.Group.MOE_OVERLAP]
-    assert [p.attribute for p in group] == ["combined_forward_backward_step", "forward_step_calc_loss"]
+    assert [p.attribute for p in group] == ["combined_forward_backward_step", "forward_step_calc_loss",
+                                            "TransformerLayerSchedulePlan.run", "TransformerModelChunkSchedulePlan.run"]
     assert all(patches.problem(p) is None for p in group)
     assert entry.params[:11] == ("forward_step_func", "data_iterator", "f_model", "num_microbatches",
                                  "input_tensor", "forward_data_store", "b_model", "b_input_tensor",

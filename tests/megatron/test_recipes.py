@@ -152,9 +152,11 @@ COMBINED_1F1B = ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipe
 @pytest.mark.extended
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 def test_megatron_combined_interleaved_1f1b_trains_on_cpu(mc19_python, client_dir):  # noqa: F811
-    """The reference run of issue 43 trains through pretrain_gpt.py with the flag on, and it really takes
-    the combined path: its bf16 losses are close to the plain interleaved order's, not the same numbers
-    (the combined path computes the forward differently; without the stand-ins it stops at record_stream)."""
+    """The reference run of issue 43 trains through pretrain_gpt.py with the flag on (without the stand-ins it
+    stops at record_stream). Its bf16 losses are the plain interleaved order's: the schedule-invariant dropout
+    reseeds the layers the combined step runs from the schedule plan (megatron/dropout_seed.py); before it did,
+    the plan's nodes drew the masks from running RNG streams in their own order (iteration 1 printed 4.881532;
+    V-ZB without the flag, the same model, 4.883769)."""
     result = launch_ranks(mc19_python, 4, ["-m", "megatron_vshape.run", str(client_dir / "pretrain_gpt.py")],
                           ["--pipeline-schedule", "interleaved-1f1b", *TINY, *COMBINED_1F1B,
                            "--overlap-moe-expert-parallel-comm"], timeout=RUN_TIMEOUT)
@@ -164,6 +166,5 @@ def test_megatron_combined_interleaved_1f1b_trains_on_cpu(mc19_python, client_di
     plain = train(mc19_python, client_dir, "interleaved-1f1b", COMBINED_1F1B)
     assert sorted(combined) == [1, 2, 3] and combined[3] < combined[1], combined
     for i, want in plain.items():
-        assert abs(combined[i] - want) <= 2e-2 * want, (i, want, combined[i])
-    assert combined != plain, (combined, plain)
+        assert abs(combined[i] - want) <= 1e-5 * want, (i, want, combined[i], combined, plain)
 
