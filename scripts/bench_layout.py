@@ -214,7 +214,8 @@ def _simulate_as_ran(schedule, by_rank: list, walls: list[float]) -> InRunPredic
         h = statistics.fmean(after[rank] for rank in range(p) if rank != holder)
         g = statistics.fmean(g_times[holder])
         try:
-            work = VocabWork(f=p * h / f, b=0.0, w=p * g / w, holder=(after[holder] - h) / f)
+            # (a step's noise can make the last stage's rank's H the shorter: then it is taken as the others')
+            work = VocabWork(f=p * h / f, b=0.0, w=p * g / w, holder=max(after[holder] - h, 0.0) / f)
         except TypeError:  # a checkout before the per-rank H (measured side by side): one H, the holder's
             work = VocabWork(f=p * after[holder] / f, b=0.0, w=p * g / w)
         costs = replace(costs, vocab=work)
