@@ -300,13 +300,19 @@ class Iteration:
         if not chunk.is_last_stage:
             _deallocate(output, self.config)
 
-    def _backward_input(self, action: Action, exchange: PlanExchange, step: ProgramStep) -> None:
-        chunk, mb = self.chunk_of(action.stage), action.microbatch
+    def _b_operands(self, chunk, mb: int, step: ProgramStep):
+        """What a B of ``chunk`` for microbatch ``mb`` takes (its forward's input and output, the output's
+        gradient), removed from the chunk's buffers, and the capture that holds its weight gradients for W."""
         output_grad = None if chunk.is_last_stage else chunk.output_grads.pop(mb)
         input_tensor = chunk.inputs.pop(mb, None)
         output = chunk.outputs.pop(mb)
         capture = (self.wgrad.capture((chunk.index, mb), chunk.model, self.setup.schedule_name)
                    if step.defers_w else contextlib.nullcontext())
+        return input_tensor, output, output_grad, capture
+
+    def _backward_input(self, action: Action, exchange: PlanExchange, step: ProgramStep) -> None:
+        chunk, mb = self.chunk_of(action.stage), action.microbatch
+        input_tensor, output, output_grad, capture = self._b_operands(chunk, mb, step)
         with capture, self.launcher.deferred_b(step.defers_w):
             if self.combined:
                 _, _, input_grad = combined_step.combined_step(
@@ -333,11 +339,7 @@ class Iteration:
         f_chunk, b_chunk = self.chunk_of(forward.stage), self.chunk_of(backward.stage)
         f_mb, b_mb = forward.microbatch, backward.microbatch
         f_input = f_chunk.inputs.get(f_mb) if forward.stage > 0 else None
-        output_grad = None if b_chunk.is_last_stage else b_chunk.output_grads.pop(b_mb)
-        b_input = b_chunk.inputs.pop(b_mb, None)
-        b_output = b_chunk.outputs.pop(b_mb)
-        capture = (self.wgrad.capture((b_chunk.index, b_mb), b_chunk.model, self.setup.schedule_name)
-                   if b_step.defers_w else contextlib.nullcontext())
+        b_input, b_output, output_grad, capture = self._b_operands(b_chunk, b_mb, b_step)
         store: list = []
         with running_stage(forward.stage, self.placement.num_stages), capture, \
                 self.launcher.deferred_b(b_step.defers_w):
