@@ -135,6 +135,7 @@ def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: flo
     stops the others. ``preload=False``: entries that import neither (the launcher's own tests), run by a
     fresh ``fork_ranks`` that imports nothing."""
     env = env or cpu_env()
+    argv = loader_in_the_rank(argv)
     with tempfile.TemporaryDirectory() as logs:
         def outputs() -> tuple[str, ...]:
             return tuple(_read(Path(logs) / f"rank{rank}.log") for rank in range(nproc))
@@ -154,6 +155,22 @@ def _run_ranks(python: str, nproc: int, argv: list[str], port: int, timeout: flo
     except (IndexError, ValueError, KeyError):
         pytest.fail(f"the rank launcher failed (exit {result.returncode}): {' '.join(argv)}\n{result.stdout[-4000:]}")
     return Ranks(tuple(codes), ranks_output)
+
+
+def loader_in_the_rank(argv: list[str]) -> list[str]:
+    """A Megatron-LM training script's launch with ``--num-workers 0`` unless it names ``--num-workers``.
+
+    Megatron's default of two DataLoader worker processes per loader forks 24 processes per 4-rank launch
+    (train, validation and test loaders), about 9 % of a tiny run's CPU on these machines' two cores. The
+    batches are the same in the same order either way (Megatron's samplers decide them, not the workers), so
+    the losses the tests compare do not change. What a real run's workers add is tested where it matters:
+    the runner's exit with live workers (tests/megatron/test_runner_cli.py), and README command 1, which CI
+    runs with Megatron's default.
+    """
+    script = next((arg for arg in argv if arg.endswith(".py")), "")
+    if not Path(script).name.startswith("pretrain_") or "--num-workers" in argv:
+        return argv
+    return [*argv, "--num-workers", "0"]
 
 
 def _read(path: Path) -> str:

@@ -240,3 +240,11 @@ def test_a_closed_launch_server_leaves_no_error_file(tmp_path):
         server = _Server(process, errors)
         server.close()
         assert not server.alive() and not errors.exists()
+
+
+def test_training_launches_load_data_in_the_rank_unless_they_name_the_workers():
+    script = ["-m", "megatron_vshape.run", "/x/pretrain_gpt.py", "--mock-data"]
+    assert glue_support.loader_in_the_rank(script) == [*script, "--num-workers", "0"]
+    assert glue_support.loader_in_the_rank([*script, "--num-workers", "2"]) == [*script, "--num-workers", "2"]
+    other = ["-m", "megatron_vshape.verify", "train.py"]
+    assert glue_support.loader_in_the_rank(other) == other
