@@ -91,16 +91,20 @@ class StageWork:
     b: float = 1.0
     w: float = 1.0
     memory: float = 1.0
+    # The stage's expert all-to-all relative to ``Costs.a2a`` (one V chunk's mean layers): its MoE layers over
+    # the mean chunk's, 0 for a stage without one (the planner's +pairs rows, planner/moe_pairs.py).
+    a2a: float = 1.0
 
     def __post_init__(self) -> None:
         # Zero or negative work breaks every "longer work, later end" argument the generators make.
-        bad = _out_of_range(self, STAGE_WORK_FIELDS, lambda value: value > 0)
+        bad = _out_of_range(self, STAGE_WORK_FIELDS, lambda value: value > 0) + \
+            _out_of_range(self, ("a2a",), lambda value: value >= 0)
         if bad:
-            raise ScheduleError(f"per-stage multipliers must be finite numbers > 0; got {', '.join(bad)}")
+            raise ScheduleError(f"per-stage multipliers must be finite numbers > 0 (a2a >= 0); got {', '.join(bad)}")
 
     @property
     def is_unit(self) -> bool:
-        return self.f == self.b == self.w == self.memory == 1.0
+        return self.f == self.b == self.w == self.memory == self.a2a == 1.0
 
 
 VOCAB_WORK_FIELDS = ("f", "b", "w", "memory", "embedding", "tokens", "holder", "messages")
@@ -221,15 +225,20 @@ class Costs:
         work = self.stages[stage]
         return base * (work.f if kind is Kind.F else work.b if kind is Kind.B else work.w)
 
-    def a2a_time(self, layer_scale: float = 1.0) -> float:
-        """The all-to-all time of one F or one B of a stage of ``layer_scale`` V chunks' layers."""
-        return self.a2a * self.f * layer_scale
+    def a2a_time(self, layer_scale: float = 1.0, stage: int | None = None) -> float:
+        """The all-to-all time of one F or one B of a stage of ``layer_scale`` V chunks' layers (``stage``'s own
+        multiplier ``StageWork.a2a`` where given)."""
+        share = self.stages[stage].a2a if stage is not None and self.stages else 1.0
+        return self.a2a * self.f * layer_scale * share
 
-    def pair_time(self, forward: float, backward: float, layer_scale: float = 1.0) -> float:
-        """Time of an overlapped pair whose F computes for ``forward`` and whose B for ``backward``: their
-        compute plus the part of each all-to-all that the other pass's compute does not hide."""
-        a2a = self.a2a_time(layer_scale)
-        return forward + backward + max(0.0, a2a - backward) + max(0.0, a2a - forward)
+    def pair_time(self, forward: float, backward: float, layer_scale: float = 1.0,
+                  stages: tuple[int, int] | None = None) -> float:
+        """Time of an overlapped pair whose F computes for ``forward`` and whose B for ``backward`` (F's and B's
+        stages ``stages``): their compute plus the part of each all-to-all that the other pass's compute does not
+        hide."""
+        f_stage, b_stage = stages if stages is not None else (None, None)
+        a2a_f, a2a_b = self.a2a_time(layer_scale, f_stage), self.a2a_time(layer_scale, b_stage)
+        return forward + backward + max(0.0, a2a_f - backward) + max(0.0, a2a_b - forward)
 
     def memory_of(self, stage: int) -> float:
         """Multiplier of ``stage``'s activation memory per microbatch (1.0 when uniform)."""
@@ -289,7 +298,7 @@ def looped_stage_work(costs: Costs, num_devices: int) -> tuple[StageWork, ...]:
         raise ScheduleError(f"per-stage costs give {len(costs.stages)} stages, not a multiple of {num_devices} devices")
     chunks = [costs.stages[j * group:(j + 1) * group] for j in range(num_devices)]
     return tuple(
-        StageWork(**{name: sum(getattr(w, name) for w in chunk) / group for name in STAGE_WORK_FIELDS})
+        StageWork(**{name: sum(getattr(w, name) for w in chunk) / group for name in (*STAGE_WORK_FIELDS, "a2a")})
         for chunk in chunks
     )
 

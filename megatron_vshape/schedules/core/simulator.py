@@ -56,7 +56,9 @@ class SimulationResult:
             "placement": self.schedule.placement.kind.value,
             "costs": {"f": self.costs.f, "b": self.costs.b, "w": self.costs.w, "comm": self.costs.comm,
                       **({"a2a": self.costs.a2a} if self.costs.a2a else {})},
-            "stage_costs": [dataclasses.asdict(work) for work in self.costs.stages],
+            # a stage's all-to-all share only where there is an all-to-all (the output is unchanged otherwise)
+            "stage_costs": [{key: value for key, value in dataclasses.asdict(work).items()
+                             if key != "a2a" or self.costs.a2a} for work in self.costs.stages],
             "vocab_parallel": None if self.costs.vocab is None else dataclasses.asdict(self.costs.vocab),
             "work_each_device": list(self.work_each),
             "makespan": self.makespan,
@@ -144,8 +146,8 @@ def pass_durations(schedule: Schedule, costs: Costs, vocab_parallel: bool | None
     scale = schedule.placement.layer_scale
     per_stage = [tuple(costs.of(kind, stage) * scale for kind in KINDS) for stage in range(schedule.num_stages)]
     if costs.a2a:  # an F or B alone exposes its all-to-all in full
-        a2a = costs.a2a_time(scale)
-        per_stage = [(f + a2a, b + a2a, w) for f, b, w in per_stage]
+        a2a = [costs.a2a_time(scale, stage) for stage in range(schedule.num_stages)]
+        per_stage = [(f + a, b + a, w) for (f, b, w), a in zip(per_stage, a2a)]
     with_vocab = schedule.vocab_parallel if vocab_parallel is None else vocab_parallel
     shards = schedule.num_devices if with_vocab else 0
     if not shards:
@@ -176,7 +178,8 @@ def pair_table(schedule: Schedule, costs: Costs) -> dict[int, tuple[int, float]]
                                 "device")
         forward = costs.of(Kind.F, pair.forward.stage) * scale
         backward = costs.of(Kind.B, pair.backward.stage) * scale
-        table[ids.of(pair.forward)] = (ids.of(pair.backward), costs.pair_time(forward, backward, scale))
+        table[ids.of(pair.forward)] = (ids.of(pair.backward), costs.pair_time(
+            forward, backward, scale, (pair.forward.stage, pair.backward.stage)))
     return table
 
 
@@ -186,7 +189,8 @@ def _exposed_a2a(schedule: Schedule, costs: Costs, times: ProgramTimes,
     its time has beyond its compute."""
     if not costs.a2a:
         return tuple(0.0 for _ in times.programs)
-    a2a, per_kind = costs.a2a_time(schedule.placement.layer_scale), times.ids.per_kind
+    scale, per_kind, m = schedule.placement.layer_scale, times.ids.per_kind, times.ids.num_microbatches
+    a2a = [costs.a2a_time(scale, stage) for stage in range(schedule.num_stages)]  # by (pass id // m) % stages
     paired_backwards = {y for y, _ in pairs.values()}
     out = []
     for program in times.programs:
@@ -194,11 +198,11 @@ def _exposed_a2a(schedule: Schedule, costs: Costs, times: ProgramTimes,
         for x in program:
             if x in pairs:
                 y, pair_time = pairs[x]
-                m = times.ids.num_microbatches
-                compute = times.durations[x // m] + times.durations[y // m] - 2 * a2a
+                compute = times.durations[x // m] + times.durations[y // m] - a2a[(x // m) % schedule.num_stages] \
+                    - a2a[(y // m) % schedule.num_stages]
                 exposed += pair_time - compute
             elif x < 2 * per_kind and x not in paired_backwards:  # an F or a B alone
-                exposed += a2a
+                exposed += a2a[(x // m) % schedule.num_stages]
         out.append(round(exposed, 9))
     return tuple(out)
 

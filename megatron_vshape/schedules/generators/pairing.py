@@ -141,7 +141,8 @@ def _list_schedule(schedule: Schedule, costs: Costs, memory: MemoryModel, caps: 
         else:
             taken[device].add(y)
             forward, backward = (x, y) if x < ids.per_kind else (y, x)
-            end[x] = end[y] = at + costs.pair_time(compute[forward // m], compute[backward // m], scale)
+            end[x] = end[y] = at + costs.pair_time(compute[forward // m], compute[backward // m], scale,
+                                                   ((forward // m) % ids.num_stages, (backward // m) % ids.num_stages))
             pair = Pair(ids.action(forward), ids.action(backward))
             out[device] += [pair.forward, pair.backward]
             pairs.append(pair)

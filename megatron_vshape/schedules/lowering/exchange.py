@@ -307,7 +307,8 @@ def _timed_run(plans, sends, costs: Costs):
                 backward = plans[device].steps[index + 1].action
                 pair_start[device] = start
                 free[device] = start + costs.pair_time(costs.of(Kind.F, step.action.stage),
-                                                       costs.of(Kind.B, backward.stage))
+                                                       costs.of(Kind.B, backward.stage), 1.0,
+                                                       (step.action.stage, backward.stage))
             else:
                 free[device] = start + (costs.of(step.action.kind, step.action.stage)
                                         if not isinstance(step.action.kind, VocabKind) else vocab_w)
