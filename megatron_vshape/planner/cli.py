@@ -14,7 +14,10 @@ search also covers CP, EP and the recomputation mode, and prints the flags to ad
 
 Every schedule gets two rows: without and with ``--pipeline-vocab-parallel`` (the row named
 ``SCHEDULE +vocab``: the vocabulary layers on every pipeline device, planner/vocab.py); ``--no-vocab-parallel``
-drops the second.
+drops the second. For a MoE model each V schedule gets a third, with ``--overlap-moe-expert-parallel-comm``
+(``SCHEDULE +pairs``: overlapped F&B pairs hide the expert all-to-all, planner/moe_pairs.py);
+``--no-moe-pairs`` drops it. The rows are sorted by MFU, so the first is the plan's pick (a tie keeps the
+row with fewer flags first).
 
 Bad input ends with one line on stderr naming the flag and the fix, exit status 2.
 """
@@ -36,6 +39,8 @@ from .explain import no_split, why_nothing
 from .hardware import GPUS, get_gpu
 from .layer_layout_mfu import LayersAlone, LayoutComparison, compare_layouts
 from .model import PRESETS, GPTModel, get_model
+from .moe_pairs import FLAG as PAIRS_FLAG
+from .paired_run import PairedRun
 from .predict import Prediction, planner_schedule_names, split_name
 from .recipe_plan import (
     DEFAULT_GPU,
@@ -48,6 +53,7 @@ from .recipe_plan import (
     header,
     read_inputs,
 )
+from .rows import row_kinds
 from .search import Grid, ScheduleSearch, layouts, search
 from .vocab import FLAG as VOCAB_FLAG
 
@@ -124,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the layer-layout comparison (uniform vs balanced) of each schedule's best layout")
     s.add_argument("--no-vocab-parallel", action="store_true",
                    help=f"skip the rows with {VOCAB_FLAG} (the vocabulary layers on every pipeline device)")
+    s.add_argument("--no-moe-pairs", action="store_true",
+                   help=f"skip the rows with {PAIRS_FLAG} (overlapped F&B pairs; MoE models, V schedules)")
     return p
 
 
@@ -223,24 +231,26 @@ def _row(pred: Prediction) -> str:
 
 
 def report(results: list[ScheduleSearch], show_all: bool, reasons: dict[str, str] | None = None) -> str:
-    """One line per row (a schedule, and the schedule with ``+vocab``), best first; ``reasons`` says why
-    a row found nothing (by row name)."""
+    """One line per row (a schedule, and its ``+vocab`` and ``+pairs`` variants), best first (sorted() is
+    stable: a tie keeps the order of ``results``, the schedule's own row before its variants); ``reasons``
+    says why a row found nothing (by row name)."""
     lines = []
-    empty_vocab: dict[str, str] = {}  # +vocab rows that found nothing: one line for them at the end
+    empty: dict[str, dict[str, str]] = {}  # variant rows that found nothing, by suffix: one line each at the end
     for found in sorted(results, key=lambda r: -(r.best.mfu if r.best else -1)):
         head = f"{found.label:<16s} "
         why = (reasons or {}).get(found.label, found.reason)
-        if found.best is None and found.vocab_parallel:
-            empty_vocab[found.label] = why
+        if found.best is None and found.label != found.schedule:
+            empty.setdefault(found.label.removeprefix(found.schedule + " "), {})[found.label] = why
             continue
         lines.append(head + (_row(found.best) if found.best else "nothing fits: " + why)
                      + f"   [{len(found.evaluated)} simulated, {found.skipped} pruned]")
         if show_all:
             lines.extend("    " + _row(p) for p in sorted(found.evaluated, key=lambda p: -p.mfu))
-    if len(set(empty_vocab.values())) == 1:
-        lines.append(f"{'+vocab rows':<16s} nothing fits for {', '.join(empty_vocab)}: {next(iter(empty_vocab.values()))}")
-    else:
-        lines.extend(f"{label:<16s} nothing fits: {why}" for label, why in empty_vocab.items())
+    for suffix, rows in empty.items():
+        if len(set(rows.values())) == 1:
+            lines.append(f"{suffix + ' rows':<16s} nothing fits for {', '.join(rows)}: {next(iter(rows.values()))}")
+        else:
+            lines.extend(f"{label:<16s} nothing fits: {why}" for label, why in rows.items())
     return "\n".join(lines)
 
 
@@ -262,28 +272,28 @@ def run(args) -> list[ScheduleSearch]:
         raise UsageError(reason)
     layouts_to_try = len(list(layouts(model, args.gpus, args.global_batch, grid, cost_model.gpu.gpus_per_node)))
     large = layouts_to_try * len(names) > LARGE_SEARCH
-    variants = (False,) if args.no_vocab_parallel else (False, True)
     results = []
     for index, name in enumerate(names, 1):
         label = f"searching {name} ({index}/{len(names)}, up to {layouts_to_try} layouts)"
         with phase(label, large, prefix="vshape plan"):
-            for vocab_parallel in variants:
+            for kind in row_kinds(name, model, not args.no_vocab_parallel, not args.no_moe_pairs):
                 results += search([name], model, cost_model, args.gpus, args.global_batch, grid, args.flash_attention,
-                                  vocab_parallel)
+                                  kind.vocab_parallel, kind.pairs)
     return results
 
 
-Comparison = LayoutComparison | LayersAlone | str
+Comparison = LayoutComparison | LayersAlone | PairedRun | str
 
 
 def layout_comparisons(results: list[ScheduleSearch], model: GPTModel, cost_model: CostModel,
                        flash_attention: bool) -> dict[str, Comparison]:
     """Per row with a best layout (by row name): reference vs balanced layer layout, or why there is none;
-    for a ``+vocab`` row its own run on the layers alone (nothing to balance), next to the schedule's best
-    run without the flag."""
+    for a ``+vocab`` row its own run on the layers alone (nothing to balance), for a ``+pairs`` row its own run
+    on the search's layout (the balance search does not cost pairs), each next to the schedule's best run
+    without the flag."""
     out: dict[str, Comparison] = {}
     for found in results:
-        if found.best is None or found.vocab_parallel:
+        if found.best is None or found.vocab_parallel or found.pairs:
             continue
         try:
             out[found.label] = compare_layouts(found.schedule, model, cost_model, found.best.layout, flash_attention)
@@ -292,24 +302,26 @@ def layout_comparisons(results: list[ScheduleSearch], model: GPTModel, cost_mode
     for found in results:
         if found.best is not None and found.vocab_parallel:
             out[found.label] = LayersAlone(found.best)
+        elif found.best is not None and found.pairs:
+            out[found.label] = PairedRun(found.best)
     return out
 
 
 def runs_of_the_flags(results: list[ScheduleSearch], comparisons: dict[str, Comparison]) -> None:
     """Where the layout table's balanced layout beats the search's own, the flags recommend it
     (``recipe_plan.commands``): the schedule's row shows that run (the same prediction), so both tables agree.
-    A ``+vocab`` row's line is its own run already; it learns the best run without the flag (the row
-    above, after this swap) to compare with."""
+    A ``+vocab`` or ``+pairs`` row's line is its own run already; it learns the best run without the flag (the
+    row above, after this swap) to compare with."""
     for found in results:
         comparison = comparisons.get(found.label)
         if found.best is not None and isinstance(comparison, LayoutComparison) \
                 and comparison.balanced_mfu > found.best.mfu:
             found.best = comparison.balanced
-    without = {r.schedule: r.best for r in results if not r.vocab_parallel}
+    without = {r.schedule: r.best for r in results if r.label == r.schedule}
     for found in results:
         comparison = comparisons.get(found.label)
-        if isinstance(comparison, LayersAlone):
-            comparisons[found.label] = LayersAlone(comparison.run, without.get(found.schedule))
+        if isinstance(comparison, (LayersAlone, PairedRun)):
+            comparisons[found.label] = type(comparison)(comparison.run, without.get(found.schedule))
 
 
 def layout_report(comparisons: dict[str, Comparison]) -> str:
@@ -318,15 +330,19 @@ def layout_report(comparisons: dict[str, Comparison]) -> str:
     if any(isinstance(c, LayersAlone) for c in comparisons.values()):
         lines.append(f"(+vocab rows, {VOCAB_FLAG}: every device runs 1/p of the embedding, LM head and loss, so the "
                      "stages hold the layers alone and their layout is the layers' own: uniform is even)")
+    if any(isinstance(c, PairedRun) for c in comparisons.values()):
+        lines.append(f"(+pairs rows, {PAIRS_FLAG}: the search's layout, costed with the pairs; the balance search "
+                     "does not cost them)")
     for name, c in comparisons.items():
         if isinstance(c, str):
             lines.append(f"{name:<16s} not compared: {c}")
             continue
-        if isinstance(c, LayersAlone):
+        if isinstance(c, (LayersAlone, PairedRun)):
             versus = "" if c.without is None else \
                 f"  (x{c.without.iteration_time / c.run.iteration_time:.3f} vs without the flag, MFU {c.without.mfu:6.2%})"
-            lines.append(f"{name:<16s} layers alone {format_layout(c.layers)}: iter {c.run.iteration_time:7.2f} s MFU "
-                         f"{c.run.mfu:6.2%}{versus}")
+            where = "layers alone" if isinstance(c, LayersAlone) else "search's layout"
+            lines.append(f"{name:<16s} {where} {format_layout(c.run.layers_per_stage)}: iter {c.run.iteration_time:7.2f} s "
+                         f"MFU {c.run.mfu:6.2%}{versus}")
             continue
         choice = c.choice
         lines.append(f"{name:<16s} {c.choice.reference_name} {format_layout(choice.reference_layers)}: iter "
@@ -366,14 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     runs_of_the_flags(results, comparisons)
     if comparisons:
         print("Each row is the run its flags give (printed at the end; its --pipeline-layout included, and "
-              f"{VOCAB_FLAG} in the +vocab rows'):")
+              f"{VOCAB_FLAG} in the +vocab rows', {PAIRS_FLAG} in the +pairs rows'):")
     print(report(results, args.all, reasons))
     if comparisons:
         print(layout_report(comparisons))
     if args.recipe is not None:
         print(commands(results, comparisons))
     if args.json:
-        records = [{"schedule": r.schedule, "vocab_parallel": r.vocab_parallel,
+        records = [{"schedule": r.schedule, "vocab_parallel": r.vocab_parallel, "moe_pairs": r.pairs,
                     "best": r.best.to_json() if r.best else None,
                     "reason": reasons.get(r.label, r.reason),
                     "layout": _layout_json(comparisons.get(r.label)),

@@ -2,7 +2,9 @@
 
 Megatron-LM's own flags for the parallel sizes, the microbatch size and recomputation, and the
 plugin's ``--pipeline-schedule`` / ``--pipeline-layout`` (megatron_vshape.megatron.arguments), with
-``--pipeline-vocab-parallel`` for a run with vocabulary parallelism. Later flags win in argparse, so
+``--pipeline-vocab-parallel`` for a run with vocabulary parallelism and ``--overlap-moe-expert-parallel-comm``
+for a run with overlapped F&B pairs (the recipe brings what Megatron wants with it: bf16, an alltoall or
+flex dispatcher). Later flags win in argparse, so
 appending these to a recipe's command line overrides its own sizes.
 """
 
@@ -11,13 +13,13 @@ from __future__ import annotations
 from ..layout_flag import format_layout
 from .parallel_layout import ParallelLayout
 from .predict import recompute_mode, split_name
-from .vocab import FLAG as VOCAB_FLAG
+from .rows import RowKind
 
 
 def recipe_flags(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[int, ...] | None = None,
-                 vocab_parallel: bool = False) -> list[str]:
+                 vocab_parallel: bool = False, pairs: bool = False) -> list[str]:
     """Flags (words) that make a Megatron run use ``schedule`` on ``layout`` with ``layers_per_stage``
-    (and vocabulary parallelism with ``vocab_parallel``)."""
+    (and vocabulary parallelism with ``vocab_parallel``, F&B pairs with ``pairs``)."""
     base, _ = split_name(schedule)
     flags = [
         "--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp),
@@ -29,8 +31,9 @@ def recipe_flags(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[
     flags += ["--pipeline-schedule", base]
     if layers_per_stage:
         flags += ["--pipeline-layout", format_layout(layers_per_stage)]
-    if vocab_parallel:
-        flags.append(VOCAB_FLAG)
+    flag = RowKind(vocab_parallel, pairs).flag
+    if flag is not None:
+        flags.append(flag)
     mode = recompute_mode(schedule, layout)
     if mode == "selective":
         flags += ["--recompute-granularity", "selective"]
@@ -40,5 +43,5 @@ def recipe_flags(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[
 
 
 def command_line(schedule: str, layout: ParallelLayout, layers_per_stage: tuple[int, ...] | None = None,
-                 vocab_parallel: bool = False) -> str:
-    return " ".join(recipe_flags(schedule, layout, layers_per_stage, vocab_parallel))
+                 vocab_parallel: bool = False, pairs: bool = False) -> str:
+    return " ".join(recipe_flags(schedule, layout, layers_per_stage, vocab_parallel, pairs))

@@ -22,7 +22,7 @@ Beyond the paper's setting (see docs/planner.md for the derivations):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .hardware import GPU
 from .model import GPTModel
@@ -43,6 +43,13 @@ class PassTimes:
     dp_sync: float  # gradient reduce-scatter + parameter all-gather, not overlapped
     optimizer: float  # Adam step, memory-bound
     grad_reduce: float = 0.0  # the part of dp_sync that reduces gradients (the rest gathers parameters)
+    # The expert-parallel all-to-alls of one mean layer in each F and each B (dispatch and combine), already
+    # inside ``f`` and ``b``: an overlapped F&B pair hides them under the other pass (planner/moe_pairs.py).
+    a2a: float = 0.0
+
+    def compute_only(self) -> PassTimes:
+        """These times with the all-to-all taken out of F and B (what a pair that hides it all would pay)."""
+        return replace(self, f=self.f - self.a2a, b=self.b - self.a2a, a2a=0.0)
 
 
 @dataclass(frozen=True)
@@ -118,12 +125,13 @@ class CostModel:
         b += self._streaming(b_bytes / split) + per_pass * collective
         w += per_pass / 2 * collective
         core_f = self._compute((f_flops - w_flops) / split)
-        f_extra, b_extra = self._cp_exposed(model, layout, core_f), self._ep_all_to_all(model, layout)
-        f, b = f + f_extra[0] + b_extra, b + f_extra[1] + b_extra
+        ring, a2a = self._cp_exposed(model, layout, core_f), self._ep_all_to_all(model, layout)
+        f, b = f + ring[0] + a2a, b + ring[1] + a2a
         if layout.recompute == "selective":  # Megatron's default --recompute-modules core_attn
             b += core_f
         grad, gather = self._dp_parts(model, layout)
-        return PassTimes(f, b, w, self._p2p(model, layout), grad + gather, self._optimizer(model, layout), grad)
+        return PassTimes(f, b, w, self._p2p(model, layout), grad + gather, self._optimizer(model, layout), grad,
+                         a2a)
 
     def _cp_exposed(self, model: GPTModel, layout: ParallelLayout, core_f: float) -> tuple[float, float]:
         """Ring attention's K/V exchange beyond what the attention kernels hide, (F, B) per mean layer."""

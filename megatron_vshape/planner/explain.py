@@ -12,6 +12,7 @@ from collections import Counter
 from ..schedules.generators.registry import SCHEDULES
 from .costs import CostModel
 from .model import GPTModel
+from .moe_pairs import pair_problem
 from .parallel_layout import ParallelLayout
 from .predict import num_stages, split_name
 from .search import Grid, ScheduleSearch, _static_fits, layouts, vocab_problem
@@ -46,7 +47,7 @@ def why_nothing(found: ScheduleSearch, model: GPTModel, cost_model: CostModel, g
     if not candidates:
         return (f"--global-batch {global_batch} is not divisible by DP x microbatch size for any split "
                 f"(--micro-batch {','.join(map(str, grid.micro_batch))}); use a batch divisible by them")
-    problems = {c: _problem(found.schedule, c, model, found.vocab_parallel) for c in candidates}
+    problems = {c: _problem(found.schedule, c, model, found.vocab_parallel, found.pairs) for c in candidates}
     runnable = [c for c, problem in problems.items() if problem is None]
     if not runnable:
         text, n = Counter(problems.values()).most_common(1)[0]
@@ -62,11 +63,14 @@ def why_nothing(found: ScheduleSearch, model: GPTModel, cost_model: CostModel, g
     return f"the {found.schedule} generator could not build any of the {len(runnable)} runnable layouts"
 
 
-def _problem(name: str, layout: ParallelLayout, model: GPTModel, vocab_parallel: bool = False) -> str | None:
+def _problem(name: str, layout: ParallelLayout, model: GPTModel, vocab_parallel: bool = False,
+             pairs: bool = False) -> str | None:
     base, _ = split_name(name)
     minimum = SCHEDULES[base].min_microbatches(layout.pp)
     if layout.num_microbatches < minimum:
         return f"{base} at PP {layout.pp} needs >= {minimum} microbatches; raise --global-batch"
     if vocab_parallel and (problem := vocab_problem(layout, model)) is not None:
+        return problem
+    if pairs and (problem := pair_problem(name, layout, model)) is not None:
         return problem
     return layout.problem(model, num_stages(name, layout.pp))

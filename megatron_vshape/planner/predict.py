@@ -26,9 +26,11 @@ from .costs import CostModel, PassTimes
 from .exposed_p2p import blocking_costs, blocks_on_p2p
 from .memory import RESERVED_BYTES, MemoryEstimate, activation_model, activation_peaks, static_bytes
 from .model import GPTModel
+from .moe_pairs import pair_problem, paired_costs
 from .parallel_layout import ParallelLayout
+from .rows import row_label
 from .simcache import run_pipeline
-from .vocab import label, vocab_call_seconds, vocab_work
+from .vocab import vocab_call_seconds, vocab_work
 
 RECOMPUTE_SUFFIX = "-r"  # "1f1b-r": a schedule with full activation recomputation
 
@@ -65,6 +67,7 @@ class Prediction:
     layers_per_stage: tuple[int, ...] = ()  # the layout costed ((): the paper's slot model)
     dp_exposed: float = 0.0  # seconds of DP sync the iteration pays
     vocab_parallel: bool = False  # --pipeline-vocab-parallel: the vocabulary layers on every device
+    pairs: bool = False  # --overlap-moe-expert-parallel-comm: F&B pairs hide the all-to-all (moe_pairs.py)
 
     @property
     def oom(self) -> bool:
@@ -72,7 +75,7 @@ class Prediction:
 
     @property
     def label(self) -> str:
-        return label(self.schedule, self.vocab_parallel)
+        return row_label(self.schedule, self.vocab_parallel, self.pairs)
 
     def to_json(self) -> dict:
         lay = self.layout
@@ -80,7 +83,7 @@ class Prediction:
             "schedule": self.schedule, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
             "cp": lay.cp, "ep": lay.ep, "recompute": lay.recompute,
             "micro_batch": lay.micro_batch, "num_microbatches": lay.num_microbatches,
-            "vocab_parallel": self.vocab_parallel,
+            "vocab_parallel": self.vocab_parallel, "moe_pairs": self.pairs,
             "layers_per_stage": list(self.layers_per_stage), "dp_exposed_s": self.dp_exposed,
             "iteration_time_s": self.iteration_time, "mfu": self.mfu, "bubble_rate": self.bubble_rate,
             "peak_memory_gib": self.memory.peak / 1024**3,
@@ -132,15 +135,16 @@ def staged_costs(times: PassTimes, model: GPTModel, layers: tuple[int, ...], ful
 
 def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: CostModel,
             flash_attention: bool = False, layers: tuple[int, ...] | None = None,
-            vocab_parallel: bool = False) -> Prediction:
+            vocab_parallel: bool = False, pairs: bool = False) -> Prediction:
     """Raise ValueError/ScheduleError naming the problem if the layout cannot run the schedule.
 
     ``layers``: the layers per stage to cost (a ``--pipeline-layout``); default :func:`stage_plan`'s.
-    ``vocab_parallel``: the run with ``--pipeline-vocab-parallel`` (see the module docstring)."""
+    ``vocab_parallel``: the run with ``--pipeline-vocab-parallel`` (see the module docstring).
+    ``pairs``: the run with ``--overlap-moe-expert-parallel-comm`` (moe_pairs.py)."""
     base, _ = split_name(name)
     mode = recompute_mode(name, layout)
     stages = num_stages(name, layout.pp)
-    problem = layout.problem(model, stages)
+    problem = layout.problem(model, stages) or (pair_problem(base, layout, model) if pairs else None)
     if problem:
         raise ValueError(problem)
     times = cost_model.pass_times(model, layout, flash_attention)
@@ -150,6 +154,8 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
         costs = chunk_costs(times, model, stages, mode == "full", layout.pp)
     else:
         costs = staged_costs(times, model, layers, mode == "full", layout.pp, flash_attention, vocab_parallel)
+    if pairs:  # the all-to-all apart from F and B, for the pairs to hide
+        costs = paired_costs(costs, times, model, layers or ())
     timed = costs
     if cost_model.blocking_p2p and blocks_on_p2p(base) and layout.pp > 1:
         timed = blocking_costs(base, costs, layout.pp,
@@ -188,7 +194,7 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
     memory = MemoryEstimate(static, peaks)
     capacity = cost_model.gpu.memory_bytes - RESERVED_BYTES
     return Prediction(name, layout, iteration, mfu, bubble, memory, capacity, times, run.extrapolated,
-                      layers or (), dp, vocab_parallel)
+                      layers or (), dp, vocab_parallel, pairs)
 
 
 __all__ = ["Prediction", "ScheduleError", "chunk_costs", "num_stages", "planner_schedule_names", "predict",

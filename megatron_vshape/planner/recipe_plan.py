@@ -85,7 +85,8 @@ def header(inputs: RecipeInputs, cost_model: CostModel, gpus: int, global_batch:
 def commands(results: list[ScheduleSearch], comparisons: dict) -> str:
     """Per row with a plan: the flags to add to the recipe, with the better of the search's layout
     and the balance search's (which starts from the uniform layout, not the search's); a row with
-    ``+vocab`` adds ``--pipeline-vocab-parallel`` (its layout is the layers' own: nothing to balance).
+    ``+vocab`` adds ``--pipeline-vocab-parallel`` (its layout is the layers' own: nothing to balance), one with
+    ``+pairs`` ``--overlap-moe-expert-parallel-comm``.
     ``comparisons``: the layout table's entries by row name."""
     lines = ["", "Flags to add to the recipe (per row; later flags override the recipe's own):"]
     for found in sorted(results, key=lambda r: -(r.best.mfu if r.best else -1)):
@@ -95,6 +96,6 @@ def commands(results: list[ScheduleSearch], comparisons: dict) -> str:
         layers = found.best.layers_per_stage  # the search's proportional layout (its row's MFU)
         if isinstance(comparison, LayoutComparison) and comparison.balanced_mfu >= found.best.mfu:
             layers = comparison.choice.layers_per_stage  # the balance search found better
-        flags = command_line(found.schedule, found.best.layout, layers or None, found.vocab_parallel)
+        flags = command_line(found.schedule, found.best.layout, layers or None, found.vocab_parallel, found.pairs)
         lines.append(f"{found.label:<16s} {flags}")
     return "\n".join(lines)

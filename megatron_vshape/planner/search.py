@@ -22,9 +22,11 @@ from ..vocab_shards import splits_evenly
 from .costs import CostModel
 from .memory import RESERVED_BYTES, bytes_per_param
 from .model import GPTModel
+from .moe_pairs import pair_problem
 from .parallel_layout import ParallelLayout
 from .predict import Prediction, chunk_costs, num_stages, predict, recompute_mode, split_name
-from .vocab import head_seconds, label
+from .rows import row_label
+from .vocab import head_seconds
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,12 @@ class ScheduleSearch:
     evaluated: list[Prediction] = field(default_factory=list)
     skipped: int = 0  # candidates pruned by the bound or by static memory
     vocab_parallel: bool = False  # the runs with --pipeline-vocab-parallel
+    pairs: bool = False  # the runs with --overlap-moe-expert-parallel-comm (moe_pairs.py)
 
     @property
     def label(self) -> str:
-        """The row's name: the schedule, with ``+vocab`` for the runs with the flag."""
-        return label(self.schedule, self.vocab_parallel)
+        """The row's name: the schedule, with ``+vocab`` or ``+pairs`` for the runs with a flag (rows.py)."""
+        return row_label(self.schedule, self.vocab_parallel, self.pairs)
 
     @property
     def reason(self) -> str:
@@ -82,8 +85,8 @@ def layouts(model: GPTModel, gpus: int, global_batch: int, grid: Grid, gpus_per_
 
 
 def _upper_bound(name: str, layout: ParallelLayout, model: GPTModel, cost_model: CostModel,
-                 flash_attention: bool = False, vocab_parallel: bool = False) -> float:
-    """MFU if the pipeline had no bubble except its fill.
+                 flash_attention: bool = False, vocab_parallel: bool = False, pairs: bool = False) -> float:
+    """MFU if the pipeline had no bubble except its fill (and, with ``pairs``, every all-to-all hidden).
 
     Iteration >= (time before the last device can start) + work per device + DP sync + step:
     the last pipeline device waits for the first microbatch's forwards (and messages) through
@@ -91,6 +94,8 @@ def _upper_bound(name: str, layout: ParallelLayout, model: GPTModel, cost_model:
     """
     stages = num_stages(name, layout.pp)
     times = cost_model.pass_times(model, layout, flash_attention)
+    if pairs:
+        times = times.compute_only()
     costs = chunk_costs(times, model, stages, recompute_mode(name, layout) == "full", layout.pp)
     work = 2 * (costs.f + costs.b + costs.w) * layout.num_microbatches  # two V chunks' worth per device
     if vocab_parallel:
@@ -154,21 +159,23 @@ def _runnable(name: str, layout: ParallelLayout, model: GPTModel) -> bool:
 
 
 def search(schedules: Sequence[str], model: GPTModel, cost_model: CostModel, gpus: int, global_batch: int,
-           grid: Grid = Grid(), flash_attention: bool = False, vocab_parallel: bool = False) -> list[ScheduleSearch]:
+           grid: Grid = Grid(), flash_attention: bool = False, vocab_parallel: bool = False,
+           pairs: bool = False) -> list[ScheduleSearch]:
     for name in schedules:
         split_name(name)  # fail fast on a bad name, before any simulation
     candidates = list(layouts(model, gpus, global_batch, grid, cost_model.gpu.gpus_per_node))
-    return [_search_one(name, candidates, model, cost_model, flash_attention, grid.tolerance, vocab_parallel)
+    return [_search_one(name, candidates, model, cost_model, flash_attention, grid.tolerance, vocab_parallel, pairs)
             for name in schedules]
 
 
 def _search_one(name, candidates, model, cost_model, flash_attention, tolerance: float = 0.0,
-                vocab_parallel: bool = False) -> ScheduleSearch:
-    found = ScheduleSearch(name, vocab_parallel=vocab_parallel)
-    viable = [c for c in candidates if _runnable(name, c, model) and (not vocab_parallel or vocab_problem(c, model) is None)]
+                vocab_parallel: bool = False, pairs: bool = False) -> ScheduleSearch:
+    found = ScheduleSearch(name, vocab_parallel=vocab_parallel, pairs=pairs)
+    viable = [c for c in candidates if _runnable(name, c, model) and (not vocab_parallel or vocab_problem(c, model) is None)
+              and (not pairs or pair_problem(name, c, model) is None)]
     fitting = [c for c in viable if _static_fits(c, model, cost_model)]
     found.skipped = len(viable) - len(fitting)
-    bounds = {c: _upper_bound(name, c, model, cost_model, flash_attention, vocab_parallel) for c in fitting}
+    bounds = {c: _upper_bound(name, c, model, cost_model, flash_attention, vocab_parallel, pairs) for c in fitting}
     ranked = sorted(fitting, key=lambda c: -bounds[c])
     out_of_memory: list[ParallelLayout] = []
     for index, layout in enumerate(ranked):
@@ -179,7 +186,8 @@ def _search_one(name, candidates, model, cost_model, flash_attention, tolerance:
             found.skipped += 1
             continue
         try:
-            prediction = predict(name, layout, model, cost_model, flash_attention, vocab_parallel=vocab_parallel)
+            prediction = predict(name, layout, model, cost_model, flash_attention, vocab_parallel=vocab_parallel,
+                                 pairs=pairs)
         except ScheduleError:
             found.skipped += 1  # e.g. a generator that cannot meet its memory cap at this size
             continue

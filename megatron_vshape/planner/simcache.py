@@ -85,12 +85,12 @@ def extrapolation_sizes(name: str, num_devices: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=1024)
 def _build(name: str, num_devices: int, num_microbatches: int, b: float, w: float, comm: float,
-           stages: tuple[StageWork, ...] = (), vocab: VocabWork | None = None) -> Schedule:
+           stages: tuple[StageWork, ...] = (), vocab: VocabWork | None = None, a2a: float = 0.0) -> Schedule:
     """Generate a schedule for coarsely rounded cost ratios: generation (greedy) is the slow part,
     and a schedule's order barely changes with a few percent of cost. ``stages`` (each stage's own
     work) and ``vocab`` (the vocabulary passes) go to the generator as they do in training, which
     builds the run's schedule from them."""
-    return get_schedule(name, num_devices, num_microbatches, Costs(1.0, b, w, comm, stages, vocab))
+    return get_schedule(name, num_devices, num_microbatches, Costs(1.0, b, w, comm, stages, vocab, a2a))
 
 
 def _rounded(vocab: VocabWork | None) -> VocabWork | None:
@@ -114,26 +114,28 @@ def _geometric(x: float, steps_per_octave: int = 4) -> float:
 @lru_cache(maxsize=4096)
 def _simulate_normalised(name: str, num_devices: int, num_microbatches: int, b: float, w: float,
                          comm: float, stages: tuple[StageWork, ...] = (), coarse: bool = False,
-                         staged_order: bool = False, vocab: VocabWork | None = None) -> SimulationResult:
+                         staged_order: bool = False, vocab: VocabWork | None = None,
+                         a2a: float = 0.0) -> SimulationResult:
     order_stages = stages if staged_order else ()
     order_vocab = _rounded(vocab)
+    order_a2a = round(a2a / 2, 2) * 2  # the pairs' all-to-all (x F): the order is built as b and w are
     if coarse and name in REGULAR:  # a wide search (CP, EP, recomputation): one order per cost octave quarter
         schedule = _build(name, num_devices, num_microbatches, _geometric(b), _geometric(w), _geometric(comm), order_stages,
-                          order_vocab)
+                          order_vocab, order_a2a)
     elif coarse:
         schedule = _build(name, num_devices, num_microbatches, round(b / 2, 2) * 2, round(w / 2, 2) * 2,
-                          _geometric(comm, 8), order_stages, order_vocab)
+                          _geometric(comm, 8), order_stages, order_vocab, order_a2a)
     elif name in REGULAR:  # their order hardly depends on costs: share generation widely
         schedule = _build(name, num_devices, num_microbatches, round(b, 1), round(w, 1), round(comm / 2, 2) * 2, order_stages,
-                          order_vocab)
+                          order_vocab, order_a2a)
     else:  # greedy decisions react to small cost changes (comm especially)
         schedule = _build(name, num_devices, num_microbatches, round(b / 2, 2) * 2, round(w / 2, 2) * 2,
-                          round(comm, 3), order_stages, order_vocab)
+                          round(comm, 3), order_stages, order_vocab, order_a2a)
     # timed with the real ratios (and per-stage work); generated as training generates it: for each stage's
     # own work under an uneven --pipeline-layout (``staged_order``), for the base costs under the uniform one.
     # (Generated for the base costs and timed with per-stage work, V-ZB at Llama-3 8B's PP 8 came out 7 %
     # shorter than the schedule training runs, and `vshape plan`'s two tables disagreed.)
-    return simulate(schedule, Costs(1.0, b, w, comm, stages, vocab))
+    return simulate(schedule, Costs(1.0, b, w, comm, stages, vocab, a2a))
 
 
 def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Costs, coarse: bool = False,
@@ -150,7 +152,8 @@ def run_pipeline(name: str, num_devices: int, num_microbatches: int, costs: Cost
 
     def sim(m: int) -> SimulationResult:
         return _simulate_normalised(name, num_devices, m, round(costs.b / unit, 6), round(costs.w / unit, 6),
-                                    round(costs.comm / unit, 6), costs.stages, coarse, staged_order, costs.vocab)
+                                    round(costs.comm / unit, 6), costs.stages, coarse, staged_order, costs.vocab,
+                                    round(costs.a2a, 6))  # a2a is in units of F already
 
     limit = exact_limit(name, num_devices)
     if num_microbatches <= limit:
