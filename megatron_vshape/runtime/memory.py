@@ -11,6 +11,12 @@ layers: that is the activation memory the schedules trade (logits, loss and grad
 the peak is then sampled each time one of those forwards returns, so it leaves out the transient
 workspace inside a layer and reads the level the schedule simulator models.
 
+Megatron's combined 1F1B step (``--overlap-moe-expert-parallel-comm``, runtime/combined_step.py) runs a layer
+from its schedule plan's nodes, which call the layer's parts (norms, attention, MLP or MoE) but never the
+layer's own forward. So the parts count too (``parts``: each layer's submodules), outside a layer's
+forward and outside autograd's backward (a part recomputed inside a B is the B's workspace, as a layer's
+recompute is not counted there either); nested in the layer's forward they change nothing.
+
 Why not ``saved_tensors_hooks``: with any such hook installed autograd hands a custom Function an
 *alias* of a saved Parameter, not the Parameter itself, so attributes such as ``main_grad`` that
 megatron and the weight-gradient store read from the saved weight would be lost. The dispatch
@@ -52,8 +58,10 @@ class _AllocationWatch(TorchDispatchMode):
 class ActivationMeter:
     """Peak live bytes of activation storages (``peak_bytes``) over the ``with`` block."""
 
-    def __init__(self, modules=None, params=None, device: str | None = None):
+    def __init__(self, modules=None, params=None, device: str | None = None, parts=()):
         self._modules = list(modules) if modules is not None else None
+        self._parts = list(parts)
+        self._entered: list[bool] = []  # per part forward running: whether it counts (see the module text)
         self._excluded = {p.untyped_storage().data_ptr() for p in (params or ())}
         self._device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._lock = threading.Lock()
@@ -69,7 +77,8 @@ class ActivationMeter:
     def for_models(cls, models, layers_only: bool = True) -> ActivationMeter:
         """A meter over megatron model chunks (DDP-wrapped or not); ``layers_only``: transformer layers."""
         modules = [layer for m in models for layer in _unwrap(m).decoder.layers] if layers_only else None
-        return cls(modules=modules, params=[p for m in models for p in m.parameters()])
+        parts = [part for layer in modules or () for part in layer.modules() if part is not layer]
+        return cls(modules=modules, params=[p for m in models for p in m.parameters()], parts=parts)
 
     def _counting(self) -> bool:
         return self._modules is None or self._depth > 0
@@ -104,6 +113,16 @@ class ActivationMeter:
             with self._lock:
                 self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
+    def _enter_part(self, *args) -> None:
+        counts = torch._C._current_autograd_node() is None  # not a part recomputed inside a backward
+        self._entered.append(counts)
+        if counts:
+            self._enter_module()
+
+    def _exit_part(self, *args) -> None:
+        if self._entered.pop():
+            self._exit_module()
+
     def __enter__(self) -> ActivationMeter:
         self.current_bytes = self.peak_bytes = 0
         if self._device == "cuda":
@@ -114,6 +133,9 @@ class ActivationMeter:
         for module in self._modules or ():
             self._handles.append(module.register_forward_pre_hook(self._enter_module))
             self._handles.append(module.register_forward_hook(self._exit_module))
+        for part in self._parts:
+            self._handles.append(part.register_forward_pre_hook(self._enter_part))
+            self._handles.append(part.register_forward_hook(self._exit_part))
         self._mode = _AllocationWatch(self)
         self._mode.__enter__()
         return self

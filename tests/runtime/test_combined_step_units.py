@@ -14,25 +14,15 @@ from megatron_vshape.testing.spawn import spawn
 
 
 def combined_worker(rank, world_size):
-    import torch
+    from _combined_setup import moe_gpt_on_two_ranks
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
     from megatron_vshape.runtime import combined_step
     from megatron_vshape.runtime.iteration_types import Chunk
     from megatron_vshape.runtime.wgrad_adapter import WeightGradAdapter
-    from megatron_vshape.testing.recipe_workers import RecipeSpec, build, make_config, plan_forward_step
-    from megatron_vshape.testing.tiny_gpt import _data
+    from megatron_vshape.testing.recipe_workers import plan_forward_step
 
-    enable_cpu_mode()
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(1234)
-    torch.manual_seed(1234)
-    spec = RecipeSpec(("v-zb",), 1, num_experts=4, overlap_moe=True)
-    config = make_config(spec, 1, None, 2)
-    gpt = build(spec, config)
-    batches = _data(spec.model, range(2 * rank, 2 * rank + 2))
+    gpt, config, _, batches = moe_gpt_on_two_ranks(rank, 2)
 
     # the reference: the plain forward and backward of each microbatch
     for batch in batches:
