@@ -19,15 +19,14 @@ Refused in one line:
 
 from __future__ import annotations
 
+from ..planner.moe_pairs import FLAG, PAIRING_SCHEDULES  # the plan's +pairs rows: the same schedules
 from . import hybrid_pattern
-from .flags import MEGATRON_OWN_SCHEDULES, V_SCHEDULE_NAMES, schedule_of
+from .flags import MEGATRON_OWN_SCHEDULES, schedule_of
 
-FLAG = "--overlap-moe-expert-parallel-comm"
 # The all-to-all time of each F and each B in units of F, when --pipeline-costs gives none: about DeepSeek-V3's
 # 1:1 of computation to communication with expert parallelism across nodes (issue 43). It only shapes the
 # order (where pairs go); the run's numbers come from running it.
 DEFAULT_A2A = 1.0
-PAIRING_SCHEDULES = V_SCHEDULE_NAMES  # v-min, v-half, v-zb, v-auto: two chunks per rank
 
 
 def wants_pairs(args) -> bool:
