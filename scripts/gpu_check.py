@@ -16,6 +16,9 @@ iteration: ``gpu_check.py --compare-losses``; ``--loss-timeout``, default 420 s 
   * 2+ GPUs: TE + FP8 (``--fp8-format hybrid``, the TE split spec: TE's deferred W) under V-Half and V-ZB, PP=2;
   * 4+ GPUs: context parallelism 2 under V-Half (PP=2 x CP=2), and ``--tp-comm-overlap`` under V-ZB
     (PP=2 x TP=2, sequence parallel).
+4+ GPUs also run issue 43's overlap check (scripts/gpu_check_overlap.py; ``--overlap-timeout``, default 600 s
+each): V-ZB with ``--overlap-moe-expert-parallel-comm`` gives the losses of Megatron's combined interleaved 1F1B
+on the CPU reference recipe, and a profiler trace shows its expert all-to-all under compute.
 
 Every step runs in its own process group with a timeout and gets a row (PASS / FAIL / TIMEOUT /
 SKIP) even when it fails; its output goes to ``--log-dir``. Exit 0 when every row passed, 1 otherwise,
@@ -36,6 +39,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import gpu_check_overlap  # scripts/ is this script's own directory
 
 ROOT = Path(__file__).resolve().parent.parent
 SINGLE_GPU_SCHEDULES = ("v-zb", "v-half", "zb-1p")
@@ -81,7 +86,7 @@ class UsageError(Exception):
 @dataclass
 class Step:
     name: str
-    kind: str  # verify | bench | pretrain | losses
+    kind: str  # verify | bench | pretrain | losses | overlap
     argv: list[str]
     timeout: float
     env: dict[str, str] = field(default_factory=dict)
@@ -118,6 +123,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds for the pretraining step (default 240)")
     parser.add_argument("--loss-timeout", type=float, default=420.0,
                         help="seconds for each TE loss comparison (two training runs; default 420)")
+    parser.add_argument("--overlap-timeout", type=float, default=600.0,
+                        help="seconds for each MoE overlap step (two training runs; default 600)")
     parser.add_argument("--only", default=None, help="run only the steps whose name contains TEXT")
     parser.add_argument("--python", default=sys.executable, help="interpreter for every step (default: this one)")
     parser.add_argument("--log-dir", type=Path, default=Path("gpu_check_logs"), help="per-step output (default gpu_check_logs)")
@@ -133,7 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _check(args: argparse.Namespace) -> None:
     if args.gpus is not None and args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: must be >= 1 (it counts GPUs to use); drop it to use all visible")
-    for flag in ("budget", "multi_budget", "verify_timeout", "bench_timeout", "pretrain_timeout", "loss_timeout"):
+    for flag in ("budget", "multi_budget", "verify_timeout", "bench_timeout", "pretrain_timeout", "loss_timeout",
+                 "overlap_timeout"):
         if not getattr(args, flag) > 0:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a positive number of seconds")
 
@@ -237,6 +245,14 @@ def build_steps(args: argparse.Namespace, gpus: int) -> list[Step]:
         for pp in (p for p in (2, 4) if p <= gpus):
             steps += [verify_step(py, name, pp, "te", args.verify_timeout, "multi") for name in SCHEDULES]
         steps += [loss_step(py, run, args.loss_timeout) for run in TE_LOSS_RUNS if run[1] <= gpus]
+    if gpus >= gpu_check_overlap.GPUS:
+        losses, trace = gpu_check_overlap.run_step_commands(args.log_dir.resolve() / "moe_overlap", py)
+        # the losses with one hardware queue (a badly ordered exchange deadlocks there); the traces with Megatron's
+        # advice for the flag (more queues, so the communication stream's kernels can run beside the compute's)
+        steps += [Step("moe-overlap losses v-zb vs combined interleaved-1f1b pp2 ep2", "losses", losses,
+                       args.overlap_timeout, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "multi"),
+                  Step("moe-overlap trace v-zb pp2 ep2 all-to-all under compute", "overlap", trace,
+                       args.overlap_timeout, {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}, "multi")]
     if args.only is not None:
         steps = [s for s in steps if args.only in s.name]
         if not steps:
@@ -294,7 +310,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def interpret(step: Step, code: int, text: str) -> tuple[str, str]:
     reader = {"verify": _verify_result, "bench": _bench_result, "pretrain": _pretrain_result,
-              "losses": _losses_result}[step.kind]
+              "losses": _losses_result, "overlap": _overlap_result}[step.kind]
     try:
         detail = reader(step, text)
     except (ValueError, KeyError, OSError) as err:
@@ -333,6 +349,12 @@ def _losses_result(step: Step, text: str) -> str:
     r = _last_json(text)
     return (f"{r['iterations']} iterations, max |loss - 1F1B's| / 1F1B's {r['max_rel_diff']:.2e} (<= {r['rtol']:g}); "
             f"last loss {r['last_loss']:.4f} vs {r['last_reference_loss']:.4f}")
+
+
+def _overlap_result(step: Step, text: str) -> str:
+    r = _last_json(text)
+    return (f"all-to-all under compute: {r['flag_share_min']:.0%} of its time with the flag (least rank; >= "
+            f"{r['min_share']:.0%}), {r['baseline_share_max']:.0%} without (most)")
 
 
 def _bench_result(step: Step, text: str) -> str:

@@ -76,7 +76,8 @@ def test_every_step_has_a_timeout():
     result = run("--dry-run", "--gpus", "4", "--verify-timeout", "33")
     names = [line for line in result.stdout.splitlines() if line.startswith("# ") and "timeout" in line]
     single = [line for line in run("--dry-run", "--gpus", "1").stdout.splitlines() if line.startswith("# ") and "timeout" in line]
-    assert len(names) == len(single) + 2 * len(SCHEDULES) + len(gpu_check.TE_LOSS_RUNS)  # 4 GPUs: every TE loss run
+    # 4 GPUs: every TE loss run, and the MoE overlap check's losses and trace (scripts/gpu_check_overlap.py)
+    assert len(names) == len(single) + 2 * len(SCHEDULES) + len(gpu_check.TE_LOSS_RUNS) + 2
     assert all("(timeout " in line for line in names)
     assert sum("(timeout 33 s" in line for line in names) == 6 + 1 + 2 * len(SCHEDULES)  # + the hybrid Mamba step
 
