@@ -119,3 +119,27 @@ def test_costs_a2a_is_what_the_registry_pairs_on():
     built = get_schedule("v-zb", 4, 16, Costs(1.0, 1.0, 1.0, a2a=1.0))
     assert built.pairs and not get_schedule("v-zb", 4, 16, Costs(1.0, 1.0, 1.0)).pairs
 
+
+
+SMALL_MOE = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "2048",
+             "--num-experts", "8", "--moe-router-topk", "2", "--global-batch-size", "64", "--vocab-size", "32000"]
+SMALL_GRID = ["--gpus", "32", "--gpu", "h100", "--tp", "2", "--pp", "4", "--cp", "1", "--micro-batch", "1",
+              "--recompute", "none", "--schedules", "v-zb,zb-1p", "--no-vocab-parallel"]
+
+
+def test_vshape_plan_prints_the_pair_rows_and_their_flag(capsys, monkeypatch):
+    from megatron_vshape.planner import megatron_args
+
+    monkeypatch.setattr(megatron_args, "megatron_parser", lambda: (megatron_args.subset_parser(), "subset"))
+    assert cli.main([*SMALL_GRID, "--", *SMALL_MOE]) == 0
+    out = capsys.readouterr().out
+    rows = sorted(line[:16].strip() for line in out.splitlines() if " bubble " in line)
+    assert rows == ["v-zb", "v-zb +pairs", "zb-1p"], out  # the pair row for the V schedule only
+    commands = {line[:16].strip(): line.split() for line in out.splitlines() if "--pipeline-schedule" in line}
+    assert commands["v-zb +pairs"][-1] == FLAG and FLAG not in commands["v-zb"] and FLAG not in commands["zb-1p"]
+    assert "v-zb +pairs      search's layout" in out
+    assert cli.main([*SMALL_GRID, "--no-moe-pairs", "--", *SMALL_MOE]) == 0
+    assert "+pairs" not in capsys.readouterr().out
+    dense = SMALL_MOE[:SMALL_MOE.index("--num-experts")] + SMALL_MOE[SMALL_MOE.index("--global-batch-size"):]
+    assert cli.main([*SMALL_GRID, "--", *dense]) == 0
+    assert "+pairs" not in capsys.readouterr().out

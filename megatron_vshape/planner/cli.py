@@ -53,7 +53,7 @@ from .recipe_plan import (
     header,
     read_inputs,
 )
-from .rows import row_kinds
+from .rows import PAIRS, VOCAB, row_kinds
 from .search import Grid, ScheduleSearch, layouts, search
 from .vocab import FLAG as VOCAB_FLAG
 
@@ -381,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     comparisons = {} if args.no_layouts else layout_comparisons(results, model, cost_model, args.flash_attention)
     runs_of_the_flags(results, comparisons)
     if comparisons:
-        print("Each row is the run its flags give (printed at the end; its --pipeline-layout included, and "
-              f"{VOCAB_FLAG} in the +vocab rows', {PAIRS_FLAG} in the +pairs rows'):")
+        kinds = [kind for kind in (VOCAB, PAIRS) if any(r.label.endswith(" " + kind.suffix) for r in results)]
+        print("Each row is the run its flags give (printed at the end; its --pipeline-layout included"
+              + "".join(f", {kind.flag} in the {kind.suffix} rows'" for kind in kinds) + "):")
     print(report(results, args.all, reasons))
     if comparisons:
         print(layout_report(comparisons))
