@@ -19,9 +19,10 @@ and the other devices' G passes wait for its end, the loss gradient's broadcast)
 
 Outside the passes (:func:`vocab_call_seconds`, added to the iteration by ``predict``): the call's
 prologue (the first slot's tokens and the first embedding) and epilogue (the last gradients), with every
-rank waiting; the data-parallel gradient reduction starts only after the epilogue, so none of it overlaps
-the backward. Memory: the first stage's device holds a few microbatches' embeddings and gradients, every
-device a few microbatches' tokens (``ActivationModel.vocab_embedding`` and ``vocab_tokens``, counted
+rank waiting; the data-parallel gradient reduction is charged (``predict``: a window of 0) as starting only
+after the epilogue, so none of it overlaps the backward. The runtime starts only the vocabulary shard's
+buckets there and every other bucket at its last W (runtime/iteration.py), so that charge is an upper bound.
+Memory: the first stage's device holds a few microbatches' embeddings and gradients, every device a few microbatches' tokens (``ActivationModel.vocab_embedding`` and ``vocab_tokens``, counted
 along the simulated timeline by :func:`.memory.activation_peaks`, as the simulator's ledger counts them).
 
 Memory. ``VocabWork.memory`` is what one microbatch holds from H to G over the whole vocabulary (p

@@ -57,7 +57,11 @@ class BucketLauncher:
     ``launches`` records, in order, ``(chunk index, bucket group)`` for each launch it made (the
     tests read it). ``split``: the iteration defers W (else nothing here applies); ``launch_early``:
     launch buckets during the pass loop (off when tied copies on one rank are summed after it, so the
-    executor's end-of-iteration start launches everything). ``store_of`` returns the weight-gradient
+    executor's end-of-iteration start launches everything); ``held``: parameters that passes outside
+    the layers add to until the call's end (the vocabulary shard's rows: G, and the embedding's gradient
+    in the epilogue), never ready in the loop, so their buckets launch with the chunk's rest at its
+    start after the loop (:meth:`launch_rest`) and the chunk's other buckets still launch at their last W.
+    ``store_of`` returns the weight-gradient
     store *now*: it is created on the first deferred B of the executor's first call, so a store read
     once before the pass loop is None for that whole call, and every weight W still owed would
     count as ready at its chunk's last B (the regression of 86de5c4: the first iteration's buckets
@@ -65,8 +69,9 @@ class BucketLauncher:
     """
 
     def __init__(self, models, plan: DevicePlan, chunk_of_stage: Callable[[int], int], split: bool,
-                 store_of: Callable[[], object | None], launch_early: bool = True):
+                 store_of: Callable[[], object | None], launch_early: bool = True, held=()):
         self.models = models
+        self._held = {id(param) for param in held}
         self._store_of = store_of
         self.chunks: dict[int, _ChunkGroups] = {}
         self.launches: list[tuple[int, object]] = []
@@ -143,7 +148,7 @@ class BucketLauncher:
 
     def _ready(self, chunk_index: int, chunk: _ChunkGroups, param) -> None:
         group = chunk.by_param.get(id(param))
-        if group is None:
+        if group is None or id(param) in self._held:
             return
         group.waiting.discard(id(param))
         if not group.waiting:

@@ -20,7 +20,7 @@ import torch
 from megatron_vshape.schedules.core.actions import Action, Kind, VocabKind
 from megatron_vshape.schedules.core.schedule import PlacementKind
 from megatron_vshape.schedules.lowering.messages import Message, Payload
-from megatron_vshape.schedules.lowering.program import ProgramStep
+from megatron_vshape.schedules.lowering.program import VOCAB_CHUNK, ProgramStep
 
 from . import combined_step, compat
 from .active_stage import running_stage
@@ -68,13 +68,14 @@ class Iteration:
         if self.deferred:
             self.wgrad.check_models(models, setup.schedule_name)
         # --overlap-grad-reduce with deferred W: buckets launch at their params' last W (grad_sync.py).
-        # Tied copies on one rank (V) are summed after the loop, so their reductions all wait for it.
+        # Tied copies on one rank (V) are summed after the loop, so every chunk's reductions wait for it. The
+        # vocabulary shard (chunk VOCAB_CHUNK's) gets G's and D's gradients until the epilogue: only its buckets
+        # wait; the chunk's other buckets launch at their last W, the other chunks start as without the flag.
         self.tied_local = self.placement.kind is PlacementKind.V and tied_embedding_pair(models) is not None
-        # Gradients summed (tied copies on one rank) or added (the vocabulary shard's embedding rows, in the
-        # epilogue) after the pass loop: every chunk's reduction waits for the end of the loop.
-        self.reduce_after_loop = self.tied_local or self.vocab is not None
+        self.after_loop = set(range(len(models))) if self.tied_local else {VOCAB_CHUNK} if self.vocab else set()
+        held = self.vocab.layers.parameters() if self.vocab is not None else ()
         self.launcher = BucketLauncher(models, self.plan, self.placement.chunk_of, split=bool(self.deferred),
-                                       store_of=lambda: self.wgrad.store, launch_early=not self.reduce_after_loop)
+                                       store_of=lambda: self.wgrad.store, launch_early=not self.tied_local, held=held)
         shape = [call.seq_length // self.cp_size, call.micro_batch_size, self.config.hidden_size]
         if self.config.sequence_parallel:
             shape[0] //= setup.groups.tp_size
@@ -182,10 +183,9 @@ class Iteration:
                         pass_times.append((part.action, start, time.perf_counter()))
                     progress.finished(str(part.action))
                     self.launcher.after_pass(at, part.action.stage, part.action.kind)
-                    # Tied copies on one rank (V) are summed before any data-parallel reduction starts, so
-                    # their reductions wait until the whole iteration's backward is done.
-                    for chunk_index in () if self.reduce_after_loop else part.reduces_grads_of:
-                        grad_sync.start(chunk_index)
+                    for chunk_index in part.reduces_grads_of:  # those in after_loop start after the loop
+                        if chunk_index not in self.after_loop:
+                            grad_sync.start(chunk_index)
             progress.at("the p2p exchange after the last pass")
             exchange.finish()
             if self.setup.watchdog is not None and torch.cuda.is_available():

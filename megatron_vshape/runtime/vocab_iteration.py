@@ -20,7 +20,8 @@ group of this TP rank, as ``VocabShardLayers.groups``):
   output went to another stage. Evaluation calls run the forward half only.
 * **G(k)**: waits for H's loss gradient and adds this rank's output-layer weight gradient (a W, deferrable).
 * **Epilogue** (after the last pass): the embedding's last slot (the gradients whose B came after the
-  last H). Every chunk's gradient reduction starts after it (runtime/iteration.py).
+  last H). The shard's buckets' DP reduction starts after it; every other bucket's at its last W, as without
+  the flag (runtime/iteration.py, ``BucketLauncher``'s ``held``).
 
 Every pipeline-group collective goes through the rank's vocabulary queue (runtime/comm_queue.py), in the
 one order the lowering's program records (schedules/lowering/exchange.py) and the NCCL model checks.

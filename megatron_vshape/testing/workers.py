@@ -29,6 +29,11 @@ class RunSpec:
     model: ModelSettings = field(default_factory=ModelSettings)
     measure_layers_only: bool = True
     overlap_grad_reduce: bool = False
+    # With it: Megatron's bucket size (None: its default), and every bucket's reduction completing at its launch,
+    # so that a bucket launched before a pass adds to it misses that part deterministically (not when gloo's
+    # thread happens to read it); ``launches_in_loop`` counts the launches before the vocabulary epilogue.
+    bucket_size: int | None = None
+    sync_bucket_launch: bool = False
     # The executor class each rank builds (a test subclass may rewrite the lowered plans on purpose).
     executor_type: type | None = None
     also_tied: bool = False  # also run every schedule with tied embeddings (results "<name>+tied")
@@ -159,10 +164,11 @@ def pipeline_worker(rank, world_size, spec: RunSpec, ref_paths: list):
     parallel_state.initialize_model_parallel(spec.tp, spec.pp, context_parallel_size=spec.cp)
     model_parallel_cuda_manual_seed(spec.model.seed)
     results = {}
+    launches = _record_launches(spec.sync_bucket_launch) if spec.overlap_grad_reduce else None
     for (suffix, model), ref_path in zip(spec.variants(), ref_paths):
         reference = torch.load(ref_path, map_location=_device())
         for name in spec.schedules:
-            results[name + suffix] = run_schedule(name, spec, model, reference)
+            results[name + suffix] = run_schedule(name, spec, model, reference, launches)
     parallel_state.destroy_model_parallel()
     return {"pp_rank": parallel_state_rank(spec, rank), "results": results}
 
@@ -193,7 +199,41 @@ def parallel_state_rank(spec: RunSpec, rank: int) -> int:
         return rank // (spec.tp * spec.cp * spec.dp)
 
 
-def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, reference: dict) -> dict:
+class _Launches:
+    """Bucket-group launches of the training call running now, before its vocabulary epilogue (in the pass loop)."""
+
+    def __init__(self):
+        self.in_loop = 0
+        self.looping = True
+
+
+def _record_launches(sync: bool) -> _Launches:
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    from megatron_vshape.runtime.vocab_iteration import VocabPasses
+
+    launches = _Launches()
+    start, epilogue = _ParamAndGradBucketGroup.start_grad_sync, VocabPasses.epilogue
+
+    def start_grad_sync(self, *args, **kwargs):
+        launched = self.grad_reduce_handle is None
+        start(self, *args, **kwargs)
+        if launched and self.grad_reduce_handle is not None:
+            launches.in_loop += launches.looping
+            if sync:
+                self.grad_reduce_handle.wait()  # the reduction reads the bucket now, not later
+
+    def vocab_epilogue(self):
+        launches.looping = False
+        return epilogue(self)
+
+    _ParamAndGradBucketGroup.start_grad_sync = start_grad_sync
+    VocabPasses.epilogue = vocab_epilogue
+    return launches
+
+
+def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, reference: dict,
+                 launches: _Launches | None = None) -> dict:
     from megatron.core import parallel_state
 
     from megatron_vshape.megatron.pipeline_layout import layout_costs
@@ -221,8 +261,13 @@ def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refere
                   model=model, num_microbatches=spec.microbatches, seq_length=model_settings.seq_length,
                   micro_batch_size=model_settings.micro_batch_size, forward_only=forward_only)
 
+    in_loop = 0
     with ActivationMeter.for_models(chunks, layers_only=spec.measure_layers_only) as meter:
+        if launches is not None:
+            launches.in_loop, launches.looping = 0, True
         store = run(forward_only=False)
+        if launches is not None:
+            in_loop = launches.in_loop
     if optimizer is None:
         # Each replica divides by its own microbatch count and DDP averages over replicas, so the
         # gradients equal the reference's average over all microbatches.
@@ -243,7 +288,8 @@ def run_schedule(name: str, spec: RunSpec, model_settings: ModelSettings, refere
         "max_grad_rel_err": grad_err, "worst_param": worst,
         "max_loss_abs_err": _loss_err(store, reference), "num_losses": len(store),
         "eval_loss_abs_err": _loss_err(eval_store, reference) if optimizer is None else 0.0,
-        "num_eval_losses": len(eval_store),
+        "num_eval_losses": len(eval_store), "launches_in_loop": in_loop,
+        "buckets": sum(len(getattr(m, "bucket_groups", ())) for m in model),
         "peak_activation_bytes": meter.peak_bytes,
         "predicted_peak_units": simulate(schedule, costs).peak_memory[pp_rank],  # per-stage work with a layout
     }
@@ -315,7 +361,7 @@ def _build_pipeline_model(schedule, spec: RunSpec, model_settings: ModelSettings
     # bf16 accumulates and reduces gradients in fp32, as megatron.training forces for --bf16.
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=spec.overlap_grad_reduce, use_distributed_optimizer=spec.distributed_optimizer,
-        grad_reduce_in_fp32=model_settings.dtype == "bf16")
+        grad_reduce_in_fp32=model_settings.dtype == "bf16", bucket_size=spec.bucket_size)
     model = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
     for m in model:
         m.zero_grad_buffer()
@@ -400,5 +446,7 @@ def merge_results(per_rank: list, spec: RunSpec) -> dict:
             "wgrad_run": sum(row.get("wgrad_run", 0) for _, row in rows),
             "splits_backward": rows[0][1].get("splits_backward", False),
             "split_b_passes": sum(row.get("split_b_passes", 0) for _, row in rows),
+            "launches_in_loop": sum(row.get("launches_in_loop", 0) for _, row in rows),
+            "buckets": sum(row.get("buckets", 0) for _, row in rows),
         }
     return merged
