@@ -42,7 +42,7 @@ FLOPS, MEASURED, VOCAB = "balanced", "balanced-measured", "vocab-parallel"
 
 
 def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches, warmup, iters, calibration,
-            balanced=True):
+            balanced=True, g_after_next_h=False):
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -69,7 +69,8 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     # own, every rank in step): the schedule the prediction simulates.
     vocab_times = _vocab_pass_seconds(model, data, calibration)
     spread = _spread_costs(world_size, costs, vocab_times)
-    rows[VOCAB] = _build(schedule, model, world_size, pp_rank, uniform, record_timeline=True, vocab_costs=spread)
+    rows[VOCAB] = _build(schedule, model, world_size, pp_rank, uniform, record_timeline=True, vocab_costs=spread,
+                         g_after_next_h=g_after_next_h)
     names = list(rows)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -97,7 +98,7 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
     predicted = {"uniform": 1.0, FLOPS: flops_choice.iteration_time / flops_choice.reference_time,
                  MEASURED: measured_choice.iteration_time / measured_choice.reference_time,
                  VOCAB: in_run[VOCAB].seconds / in_run["uniform"].seconds}
-    planned = _spread_ratio(model, schedule, world_size, microbatches, uniform, costs, extras, spread)
+    planned = _spread_ratio(model, schedule, world_size, microbatches, uniform, costs, extras, spread, g_after_next_h)
     return {"times": times, "cpu": cpu, "counts": counts, "predicted": predicted, "stage_times": stage_times,
             "vocab_passes": vocab_passes, "in_run": {name: vars(row) for name, row in in_run.items()},
             "vocab_planned": planned, "h_waits": h_waits, "step_predicted": per_step,
@@ -331,7 +332,7 @@ def _spread_costs(pp: int, costs, vocab_seconds: tuple[float, float]):
     return replace(costs, vocab=VocabWork(f=pp * h / costs.f, b=0.0, w=pp * g / costs.w))
 
 
-def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras, spread) -> float:
+def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras, spread, g_after_next_h=False) -> float:
     """Simulated time with the measured head's work spread over the ranks (vocabulary passes) over the
     uniform layout's with the head on its stage, both from the calibration run's costs."""
     from megatron_vshape.megatron.pipeline_layout import layout_costs
@@ -340,13 +341,20 @@ def _spread_ratio(model, schedule, pp, microbatches, uniform, costs, extras, spr
     from megatron_vshape.schedules.generators.registry import get_schedule
 
     plain = layout_costs(costs, uniform, stage_work(_planner_model(model), uniform, extras=extras))
-    return (simulate(get_schedule(schedule, pp, microbatches, spread), spread).makespan
+    vocab = get_schedule(schedule, pp, microbatches, spread)
+    if g_after_next_h:
+        from megatron_vshape.testing.g_after_next_h import g_after_next_h as moved
+
+        vocab = moved(vocab)
+    return (simulate(vocab, spread).makespan
             / simulate(get_schedule(schedule, pp, microbatches, plain), plain).makespan)
 
 
-def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, vocab_costs=None):
+def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, vocab_costs=None,
+           g_after_next_h=False):
     """(forward-backward function, DDP chunks) of ``schedule`` with ``counts`` layers per stage; ``vocab_costs``:
-    the costs (with the vocabulary passes') to build the schedule from, to run ``--pipeline-vocab-parallel``."""
+    the costs (with the vocabulary passes') to build the schedule from, to run ``--pipeline-vocab-parallel``;
+    ``g_after_next_h``: each G moved after the next H (``--g-after-next-h``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -362,7 +370,12 @@ def _build(schedule, model, world_size, pp_rank, counts, record_timeline=False, 
     costs = layout_costs(Costs(), counts, stage_work(planner, counts)) if uneven else Costs()
     if vocab_costs is not None:
         costs = vocab_costs
-    func = build_forward_backward_func(schedule, costs=costs, record_timeline=record_timeline)
+    extra = {}
+    if g_after_next_h:
+        from megatron_vshape.testing.g_after_next_h import GAfterNextHExecutor
+
+        extra["executor_type"] = GAfterNextHExecutor
+    func = build_forward_backward_func(schedule, costs=costs, record_timeline=record_timeline, **extra)
     placement = func.schedule(world_size, 8).placement
     vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
     layout = megatron_layout(counts, placement) if uneven else None
@@ -434,6 +447,9 @@ def main(argv=None) -> int:
                         help="iterations of the uniform layout timed per pass to measure the head's cost")
     parser.add_argument("--no-balanced", action="store_true",
                         help="time only the uniform and the vocabulary-parallel rows (half the time)")
+    parser.add_argument("--g-after-next-h", action="store_true",
+                        help="the vocab-parallel row with each G after the next H, so that every loss gradient but "
+                             "the last rides in the next H's broadcast (testing/g_after_next_h.py)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
@@ -448,7 +464,8 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(" ".join(str(error).split()))
     (result, *_) = spawn(_worker, args.pp, (model, args.schedule, args.microbatches, args.warmup, args.iters,
-                                             args.calibration, not args.no_balanced), timeout=args.timeout)
+                                             args.calibration, not args.no_balanced, args.g_after_next_h),
+                         timeout=args.timeout)
     report = _report(args, result)
     if args.json:
         with open(args.json, "w") as handle:

@@ -113,10 +113,10 @@ class Iteration:
                              "or both without")
         if layers is None:
             return None
-        first = self.setup.program.ranks[self.placement.device_of(0)]
+        programs = tuple(tuple(step.action for step in plan.steps) for plan in self.setup.program.ranks)
         return VocabPasses(layers, self.placement, self.rank, call.num_microbatches, call.micro_batch_size,
                            call.seq_length // self.cp_size, self.config.pipeline_dtype or self.config.params_dtype,
-                           call.forward_only, tuple(step.action for step in first.steps))
+                           call.forward_only, programs)
 
     def chunk_of(self, stage: int) -> Chunk:
         return self.chunks[self.placement.chunk_of(stage)]

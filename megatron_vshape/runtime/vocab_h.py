@@ -13,7 +13,10 @@ Its collectives go on the rank's vocabulary :class:`~.comm_queue.CommQueue`, in 
    onto the last stage's rank: a reduce, as only that rank needs it. No rank waits for the loss function
    before it; the last stage multiplies the sum by its loss gradient itself.
 4. **g** (training): the loss gradient d(objective)/d(per-token loss) from the last stage's rank, after its
-   loss function ran. Only G(k) needs it (the weight gradient): the other ranks post it and leave H.
+   loss function ran. Only G(k) needs it (the weight gradient). Where every other rank runs G(k) after the
+   next H (``schedules/lowering/loss_grads.py``), g(k) rides in that H's packed broadcast, after the labels
+   (the authors' Algorithm 2: no collective of its own); elsewhere it is a broadcast of its own, which the
+   other ranks post and leave H.
 
 So the ranks meet once per microbatch (steps 1 and 2: the all-gather needs every rank's logits), and
 every other collective is posted and waited only where its result is needed: the last stage's rank waits
@@ -48,9 +51,14 @@ class HPass:
     """H and G of one call on one rank (see the module docstring). ``layers``: the rank's
     ``VocabShardLayers``; ``dtype``: the pipeline dtype the hidden state travels in."""
 
-    def __init__(self, layers, queue: CommQueue, rank: int, last_rank: int, dtype: torch.dtype):
+    def __init__(self, layers, queue: CommQueue, rank: int, last_rank: int, dtype: torch.dtype,
+                 carried: dict[int, int] | None = None):
         self.layers, self.queue, self.rank, self.last_rank, self.dtype = layers, queue, rank, last_rank, dtype
         self.held: dict[int, HeldForG] = {}
+        # k -> n: g(k) rides in H(n)'s broadcast (loss_grads.py); on the last stage's rank, the g's waiting for it
+        self.carried = carried or {}
+        self.rides = {n: k for k, n in self.carried.items()}
+        self.outgoing: dict[int, torch.Tensor] = {}
         self.wait_seconds = 0.0  # the host blocked in H's waits (the bench prints it per rank)
         # The [tokens, rows] fp32 logits buffers of microbatches whose G has run, for the next H: each is tens of
         # MiB, and a fresh one costs its page faults on the CPU every time. As many as were alive at once.
@@ -76,7 +84,7 @@ class HPass:
         d(objective)/d(loss). Returns the hidden state's gradient on the last stage's rank (training)."""
         layers, pp = self.layers, self.layers.pp_group
         s, b, h = shape
-        hidden_in, labels_in = self._receive(hidden, labels, shape)
+        hidden_in, labels_in = self._receive(hidden, labels, shape, self.rides.get(microbatch) if training else None)
         weight = layers.pass_weight()
         out = vp.local_output(hidden_in.to(weight.dtype).reshape(s * b, h), weight,
                               labels_in.t().reshape(s * b), layers.shard, self.free.pop() if self.free else None)
@@ -98,8 +106,13 @@ class HPass:
             g = grad_loss.to(torch.float32).t().reshape(s * b).contiguous()
         else:
             g = torch.empty(s * b, dtype=torch.float32, device=weight.device)
-        sent = self.queue.post(lambda: dist.broadcast(g, src=self._root(), group=pp, async_op=True), (g,))
-        pending = (sent,) if self.holder else (sent, reduced)
+        if microbatch in self.carried:  # g goes (or, elsewhere, arrives) in the next H's broadcast
+            if self.holder:
+                self.outgoing[microbatch] = g
+            pending = () if self.holder else (reduced,)
+        else:
+            sent = self.queue.post(lambda: dist.broadcast(g, src=self._root(), group=pp, async_op=True), (g,))
+            pending = (sent,) if self.holder else (sent, reduced)
         nbytes = out.probs.nbytes + out.hidden.nbytes + g.nbytes + (0 if self.holder else partial.nbytes)
         self.held[microbatch] = HeldForG(out, g, pending, nbytes)
         if not self.holder:
@@ -130,23 +143,30 @@ class HPass:
 
     # --- step 1 ---------------------------------------------------------------------------------------
 
-    def _receive(self, hidden, labels, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    def _receive(self, hidden, labels, shape, rider: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden state and the labels from the last stage's rank, in one broadcast: the labels'
-        int64 bytes first (aligned for the view back), then the hidden state, in the pipeline dtype."""
+        int64 bytes first (aligned for the views back), then microbatch ``rider``'s loss gradient (fp32) if
+        it rides here, then the hidden state, in the pipeline dtype."""
         s, b, h = shape
-        label_elems = b * s * torch.empty((), dtype=torch.long).element_size() // _element_size(self.dtype)
+        label_elems = b * s * 8 // _element_size(self.dtype)
+        g_elems = 0 if rider is None else b * s * 4 // _element_size(self.dtype)
         if self.holder:
             # Megatron's Float16Module hands a last stage's output back in fp32 under --bf16: every rank
             # receives the pipeline dtype, and the gradient goes back in the output's own dtype.
-            packed = torch.cat([labels.to(torch.long).contiguous().view(self.dtype).reshape(-1),
+            rides = () if rider is None else (self.outgoing.pop(rider).view(self.dtype),)
+            packed = torch.cat([labels.to(torch.long).contiguous().view(self.dtype).reshape(-1), *rides,
                                 hidden.detach().to(self.dtype).reshape(-1)])
         else:
-            packed = torch.empty(label_elems + s * b * h, dtype=self.dtype, device=self.layers.embedding_weight.device)
+            packed = torch.empty(label_elems + g_elems + s * b * h, dtype=self.dtype,
+                                 device=self.layers.embedding_weight.device)
         arrived = self.queue.post(lambda: dist.broadcast(packed, src=self._root(), group=self.layers.pp_group,
                                                          async_op=True), (packed,))
         if not self.holder:
             self._wait(arrived)  # the holder reads its own copy; the send finishes behind it
-        return packed[label_elems:].view(s, b, h), packed[:label_elems].view(torch.long).view(b, s)
+            if rider is not None:
+                self.held[rider].grad_loss.copy_(packed[label_elems:label_elems + g_elems].view(torch.float32))
+        start = label_elems + g_elems
+        return packed[start:].view(s, b, h), packed[:label_elems].view(torch.long).view(b, s)
 
     def _post_gather(self, stats: torch.Tensor) -> tuple[Pending, list[torch.Tensor]]:
         """Every rank's statistics: over TP (blocking: the last stage's TP ranks hold the same hidden state, so

@@ -36,6 +36,7 @@ import torch
 
 from megatron_vshape.schedules.core.schedule import Placement
 from megatron_vshape.schedules.core.vocab_embedding import EmbeddingSlots, embedding_slots
+from megatron_vshape.schedules.lowering.loss_grads import carried_loss_grads
 
 from .comm_queue import CommQueue
 from .placement import _unwrap
@@ -64,10 +65,11 @@ class VocabPasses:
     seq_length: int
     dtype: torch.dtype
     forward_only: bool
-    # The first stage's rank's actions in run order (the lowered program's): where the embedding's
-    # collectives go (schedules/core/vocab_embedding.py). Empty: all lookups at the start, all gradients
-    # at the end (a call-wide buffer; only for callers without a program).
-    first_actions: tuple = ()
+    # Every rank's actions in run order (the lowered program's): the first stage's rank's place the embedding's
+    # collectives (schedules/core/vocab_embedding.py), and all of them which loss gradients ride with the
+    # next H (schedules/lowering/loss_grads.py). Empty: all lookups at the start, all gradients at the end (a
+    # call-wide buffer), every loss gradient its own broadcast (only for callers without a program).
+    programs: tuple = ()
     embedding_leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # first stage: F(k)'s inputs
     labels: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: what F(k) was called with
     loss_funcs: dict[int, Callable] = field(default_factory=dict)  # last stage: the script's loss of F(k)
@@ -81,7 +83,8 @@ class VocabPasses:
 
     def __post_init__(self):
         self.queue = CommQueue("vocabulary", self.layers.embedding_weight.device)
-        self.h_pass = HPass(self.layers, self.queue, self.rank, self.last_rank, self.dtype)
+        carried = carried_loss_grads(self.programs, self.last_rank) if self.programs else {}
+        self.h_pass = HPass(self.layers, self.queue, self.rank, self.last_rank, self.dtype, carried)
 
     @property
     def first_rank(self) -> int:
@@ -118,8 +121,8 @@ class VocabPasses:
         return source if source is not None else first_chunk_iterator
 
     def _slots(self) -> EmbeddingSlots:
-        if self.first_actions:
-            return embedding_slots(self.first_actions, not self.forward_only)
+        if self.programs:
+            return embedding_slots(self.programs[self.first_rank], not self.forward_only)
         everything = tuple(range(self.num_microbatches))
         return EmbeddingSlots((everything, ()), ((), () if self.forward_only else everything))
 

@@ -174,3 +174,31 @@ def _cp_forward_step(batch, model, cp_group):
         return total, count, {"lm loss": report[0] / report[1], "mb": batch["index"]}
 
     return output, loss_func
+
+
+def vocab_pipeline(schedule: str, world_size: int, num_microbatches: int, model: ModelSettings, executor_type=None):
+    """(forward-backward function, this rank's DDP chunks) of ``schedule`` with ``--pipeline-vocab-parallel`` on
+    the tiny GPT (megatron's parallel state initialised), for tests that count what a call issues."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_vshape.megatron.vocab_surgery import install_vocab_parallel
+    from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks
+    from megatron_vshape.schedules.core.schedule import Costs, VocabWork
+
+    func = build_forward_backward_func(schedule, costs=Costs(vocab=VocabWork(1.0, 1.0, 1.0, 0.5)),
+                                       executor_type=executor_type)
+    placement = func.schedule(world_size, num_microbatches).placement
+    vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
+    config = make_config(model, world_size, 1, vp, False)
+    chunks = build_model_chunks(placement, parallel_state.get_pipeline_model_parallel_rank(), lambda cs, pgs: build_gpt(
+        config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
+    install_vocab_parallel(chunks, placement)
+    return func, [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
+
+
+def train_call(func, ddp: list, iterators: list, step, num_microbatches: int, model: ModelSettings):
+    """One training call of ``func`` on ``ddp`` (a list of one chunk's DDP goes as the chunk, as Megatron's)."""
+    return func(forward_step_func=step, data_iterator=iterators if len(ddp) > 1 else iterators[0],
+                model=ddp if len(ddp) > 1 else ddp[0], num_microbatches=num_microbatches,
+                seq_length=model.seq_length, micro_batch_size=model.micro_batch_size)

@@ -18,29 +18,18 @@ pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "n
 def buffers_rank(rank: int, world_size: int, schedule: str, counts: tuple[int, ...]):
     import torch
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
-    from megatron_vshape.megatron.vocab_surgery import install_vocab_parallel
-    from megatron_vshape.runtime import build_forward_backward_func, build_model_chunks, comm_queue
-    from megatron_vshape.schedules.core.schedule import Costs, VocabWork
-    from megatron_vshape.testing.tiny_gpt import ModelSettings, build_gpt, forward_step, make_config, microbatch
+    from megatron_vshape.runtime import comm_queue
+    from megatron_vshape.testing.tiny_gpt import ModelSettings, forward_step, microbatch, train_call, vocab_pipeline
 
     torch.set_num_threads(1)
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)
     model = ModelSettings(num_layers=4, hidden_size=32, seq_length=16, vocab_size=64)
     model_parallel_cuda_manual_seed(model.seed)
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    func = build_forward_backward_func(schedule, costs=Costs(vocab=VocabWork(1.0, 1.0, 1.0, 0.5)))
-    placement = func.schedule(world_size, 4).placement
-    vp = None if placement.chunks_per_device == 1 else placement.chunks_per_device
-    config = make_config(model, world_size, 1, vp, False)
-    chunks = build_model_chunks(placement, pp_rank, lambda cs, pgs: build_gpt(
-        config, model, cs.pre_process, cs.post_process, cs.vp_stage, pgs, placement.num_stages))
-    install_vocab_parallel(chunks, placement)
-    ddp = [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
+    func, ddp = vocab_pipeline(schedule, world_size, 4, model)
 
     token_bytes = []  # every integer tensor posted on the vocabulary queue: the tokens
     post = comm_queue.CommQueue.post
@@ -77,9 +66,7 @@ def buffers_rank(rank: int, world_size: int, schedule: str, counts: tuple[int, .
             return forward_step(data_iterator, module)
 
         token_bytes.clear()
-        func(forward_step_func=step, data_iterator=iterators if len(ddp) > 1 else iterators[0],
-             model=ddp if len(ddp) > 1 else ddp[0], num_microbatches=m, seq_length=model.seq_length,
-             micro_batch_size=model.micro_batch_size)
+        train_call(func, ddp, iterators, step, m, model)
         embedding_bytes = func.last_vocab_bytes[1] if hasattr(func, "last_vocab_bytes") else None
         out[m] = {"token_bytes": max(token_bytes, default=0), "posted": len(token_bytes),
                   "ahead": iterators[0].ahead, "embedding_bytes": embedding_bytes}

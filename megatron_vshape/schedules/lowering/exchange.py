@@ -80,6 +80,7 @@ from ..core.actions import Kind, VocabKind
 from ..core.schedule import Costs, vocab_pass_times
 from ..core.vocab_embedding import embedding_slots, token_slots
 from .drive import drive
+from .loss_grads import carried_loss_grads
 from .messages import CommError, DevicePlan, Message, with_arrivals
 
 PAIR_GROUP = "pair"  # the communicator family of this policy: one two-rank group per pair
@@ -216,8 +217,9 @@ def exchange_programs(plans: Sequence[DevicePlan], costs: Costs = Costs(),
     first = _first_stage_rank(plans)
     training = any(step.action.kind is VocabKind.G for step in plans[first].steps)
     slots = embedding_slots([step.action for step in plans[first].steps], training)
+    carried = carried_loss_grads([[step.action for step in plan.steps] for plan in plans], holder)
     return tuple(_emit(rank, sequences[rank], batches, plans[rank], sends, slack, eager_waits, len(plans), holder,
-                       _EmbeddingOps(rank == first, slots, len(plans)), expert_layers)
+                       _EmbeddingOps(rank == first, slots, len(plans)), expert_layers, carried)
                  for rank in range(len(plans)))
 
 
@@ -368,7 +370,7 @@ def _fuse(sequences) -> dict[_Event, int]:
 
 def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_waits: bool = False,
           num_ranks: int = 1, holder: int = 0, embedding: _EmbeddingOps | None = None,
-          expert_layers: Sequence[int] = ()) -> tuple[Op, ...]:
+          expert_layers: Sequence[int] = (), carried: dict[int, int] | None = None) -> tuple[Op, ...]:
     """This rank's operations: each batch POSTed at its place in G; its WAIT as late as allowed.
 
     A batch that receives is waited for right before the first pass that consumes one of its
@@ -423,7 +425,7 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
             if action.kind is VocabKind.H:
                 embedding.slot(ops)
                 waited_in_g[action.microbatch] = _emit_h(ops, event.b, action.microbatch, rank == holder, training,
-                                                         num_ranks)
+                                                         num_ranks, carried or {})
             else:
                 if vocab and action.kind is Kind.F and action.stage == 0:
                     ops.append(Op(OpKind.WAIT, index=embedding.lookups.pop(action.microbatch)))
@@ -527,26 +529,36 @@ class _EmbeddingOps:
             self.tokens[k] = self._post(ops, f"T{k} tokens")
 
 
-def _emit_h(ops: list[Op], step: int, microbatch: int, holder: bool, training: bool, num_ranks: int) -> tuple[int, ...]:
-    """H(k)'s operations on one rank, as runtime/vocab_h.py issues them: the packed hidden state and labels
-    (waited at once, but not by the last stage's rank, which sends them), the compute, the statistics'
-    all-gather (waited at once: the rendezvous), and when training the hidden gradient's reduce (waited by
-    the last stage's rank before its B) and the loss gradient's broadcast. Returns the positions G(k) waits
-    for: the broadcast, and on the other ranks their reduce's send."""
+def _emit_h(ops: list[Op], step: int, microbatch: int, holder: bool, training: bool, num_ranks: int,
+            carried: dict[int, int]) -> tuple[int, ...]:
+    """H(k)'s operations on one rank, as runtime/vocab_h.py issues them: the packed hidden state and labels,
+    with the loss gradient of the microbatch whose g rides with it (``carried``, loss_grads.py) (waited at
+    once, but not by the last stage's rank, which sends them), the compute, the statistics' all-gather
+    (waited at once: the rendezvous), and when training the hidden gradient's reduce (waited by the last
+    stage's rank before its B) and, where g(k) does not ride with the next H, the loss gradient's broadcast.
+    Returns the positions G(k) waits for: the broadcast, and on the other ranks their reduce's send (a
+    carried g arrived in the next H, which every other rank waited for before its G(k))."""
     whole = Communicator(PIPELINE_GROUP, 0, num_ranks - 1)
 
     def post(what: str) -> int:
         ops.append(Op(OpKind.COLLECTIVE, whole, queue=VOCAB_QUEUE, label=f"H{microbatch} {what}"))
         return len(ops) - 1
 
-    arrived = post("hidden state and labels")
+    rides = [k for k, n in carried.items() if n == microbatch]
+    arrived = post("hidden state and labels" + "".join(f", loss gradient of {k}" for k in rides))
     if not holder:
         ops.append(Op(OpKind.WAIT, index=arrived))
     ops.append(Op(OpKind.COMPUTE, index=step))
     ops.append(Op(OpKind.WAIT, index=post("statistics")))
     if not training:
         return ()
-    reduced, sent = post("hidden gradient"), post("loss gradient")
+    reduced = post("hidden gradient")
+    if microbatch in carried:
+        if holder:
+            ops.append(Op(OpKind.WAIT, index=reduced))
+            return ()
+        return (reduced,)
+    sent = post("loss gradient")
     if holder:
         ops.append(Op(OpKind.WAIT, index=reduced))
         return (sent,)

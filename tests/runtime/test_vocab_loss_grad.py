@@ -1,0 +1,83 @@
+"""The loss gradient rides with the next H's broadcast where every other rank runs G(k) after that H (issue 42,
+the authors' Algorithm 2; ``schedules/lowering/loss_grads.py``), CPU, gloo, spawned ranks.
+
+The schedules' G passes are moved right after the next H (``testing/g_after_next_h.py``; the generators run
+each G before it, where g(k) keeps its own broadcast). Then:
+
+* a training call posts m - 1 collectives fewer on every rank's vocabulary queue (one loss gradient's
+  broadcast per call, the last H's, instead of one per microbatch), exactly the COLLECTIVE operations of
+  the rank's lowered program (the NCCL model checks those); before, the runtime still broadcast every g;
+* the losses, evaluation losses and every gradient match the single-process model (fp32, 1e-6), at PP 2 and
+  PP 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_vshape.testing import RunSpec, run_check
+from megatron_vshape.testing.g_after_next_h import GAfterNextHExecutor
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "not slow")
+
+
+def posts_rank(rank: int, world_size: int, schedule: str, m: int):
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
+    from megatron_vshape.runtime import comm_queue
+    from megatron_vshape.schedules.lowering.exchange import OpKind
+    from megatron_vshape.testing.tiny_gpt import ModelSettings, forward_step, microbatch, train_call, vocab_pipeline
+
+    torch.set_num_threads(1)
+    enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, world_size)
+    model = ModelSettings(num_layers=4, hidden_size=32, seq_length=16, vocab_size=64)
+    model_parallel_cuda_manual_seed(model.seed)
+    posted = []
+    post = comm_queue.CommQueue.post
+
+    def counting_post(self, issue, tensors=()):
+        posted.append(1)
+        return post(self, issue, tensors)
+
+    comm_queue.CommQueue.post = counting_post
+    out = {}
+    for moved in (False, True):
+        func, ddp = vocab_pipeline(schedule, world_size, m, model, GAfterNextHExecutor if moved else None)
+        data = [dict(microbatch(model, i), index=i) for i in range(m)]
+        posted.clear()
+        train_call(func, ddp, [iter(data) for _ in ddp], forward_step, m, model)
+        program = func.program(world_size, m).ranks[parallel_state.get_pipeline_model_parallel_rank()].exchange
+        out[moved] = {"posted": len(posted), "lowered": sum(op.kind is OpKind.COLLECTIVE for op in program)}
+    comm_queue.CommQueue.post = post
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["v-half", "1f1b"])
+def test_a_training_call_posts_one_loss_gradient_broadcast_per_call_not_per_microbatch(schedule):
+    from megatron_vshape.testing import spawn
+
+    m = 6
+    for rank, row in enumerate(spawn(posts_rank, 2, (schedule, m), timeout=240)):
+        assert row[True]["posted"] == row[True]["lowered"], (rank, row)  # what the NCCL model checked
+        assert row[False]["posted"] == row[False]["lowered"], (rank, row)
+        assert row[False]["posted"] - row[True]["posted"] == m - 1, (rank, row)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_gradients_stay_exact_with_the_loss_gradient_in_the_next_broadcast(pp):
+    schedules = ("v-half", "v-zb", "1f1b", "zb-1p") if pp == 2 else ("v-min", "v-zb")
+    spec = RunSpec(schedules=schedules, pp=pp, microbatches=2 * pp, vocab_parallel=True, also_tied=pp == 2,
+                   executor_type=GAfterNextHExecutor)
+    results = run_check(spec, timeout=500)
+    for name, row in results.items():
+        assert row["num_losses"] == spec.microbatches, (name, row)
+        assert row["num_eval_losses"] == spec.microbatches, (name, row)
+        assert row["max_grad_rel_err"] <= 1e-6, (name, row)
+        assert row["max_loss_abs_err"] <= 1e-6 and row["eval_loss_abs_err"] <= 1e-6, (name, row)
