@@ -48,7 +48,9 @@ class _AllocationWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self._meter._counting():
+        if isinstance(out, torch.Tensor):  # most ops: skip flattening
+            self._meter._track(out)
+        else:
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     self._meter._track(leaf)
@@ -61,16 +63,17 @@ class ActivationMeter:
     def __init__(self, modules=None, params=None, device: str | None = None, parts=()):
         self._modules = list(modules) if modules is not None else None
         self._parts = list(parts)
-        self._entered: list[bool] = []  # per part forward running: whether it counts (see the module text)
+        # Per thread: how deep in counted forwards it is, whether each running part's forward counts (see
+        # the module text), and its watch while it counts.
+        self._thread = threading.local()
         self._excluded = {p.untyped_storage().data_ptr() for p in (params or ())}
         self._device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}  # storage data_ptr -> bytes
         self.current_bytes = 0
         self.peak_bytes = 0
-        self._depth = 0
         self._handles: list = []
-        self._mode: _AllocationWatch | None = None
+        self._mode: _AllocationWatch | None = None  # the whole block's watch when every storage counts
         self._cuda_base = 0
 
     @classmethod
@@ -80,8 +83,11 @@ class ActivationMeter:
         parts = [part for layer in modules or () for part in layer.modules() if part is not layer]
         return cls(modules=modules, params=[p for m in models for p in m.parameters()], parts=parts)
 
-    def _counting(self) -> bool:
-        return self._modules is None or self._depth > 0
+    def _here(self):
+        state = self._thread
+        if not hasattr(state, "depth"):
+            state.depth, state.entered, state.watch = 0, [], None
+        return state
 
     def _track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -103,24 +109,38 @@ class ActivationMeter:
             self.current_bytes -= self._live.pop(ptr, 0)
 
     def _enter_module(self, *args) -> None:
-        self._depth += 1
+        # The watch is on only while a counted forward runs on this thread: a Python dispatch per op
+        # costs about 9 % of a tiny CPU run, and most ops (backward, W, optimizer, loss) never count.
+        here = self._here()
+        here.depth += 1
+        if here.depth == 1:
+            here.watch = _AllocationWatch(self)
+            here.watch.__enter__()
 
     def _exit_module(self, *args) -> None:
         # Sample the peak as a layer's forward returns: its temporaries are gone by then, what is
         # left is what the layer keeps for backward (the level the schedule simulator models).
-        self._depth -= 1
-        if self._depth == 0:
+        here = self._here()
+        here.depth -= 1
+        if here.depth == 0:
+            self._stop_watch(here)
             with self._lock:
                 self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
+    @staticmethod
+    def _stop_watch(here) -> None:
+        if here.watch is not None:
+            here.watch.__exit__(None, None, None)
+            here.watch = None
+
     def _enter_part(self, *args) -> None:
         counts = torch._C._current_autograd_node() is None  # not a part recomputed inside a backward
-        self._entered.append(counts)
+        self._here().entered.append(counts)
         if counts:
             self._enter_module()
 
     def _exit_part(self, *args) -> None:
-        if self._entered.pop():
+        if self._here().entered.pop():
             self._exit_module()
 
     def __enter__(self) -> ActivationMeter:
@@ -136,8 +156,9 @@ class ActivationMeter:
         for part in self._parts:
             self._handles.append(part.register_forward_pre_hook(self._enter_part))
             self._handles.append(part.register_forward_hook(self._exit_part))
-        self._mode = _AllocationWatch(self)
-        self._mode.__enter__()
+        if self._modules is None:
+            self._mode = _AllocationWatch(self)
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -145,7 +166,12 @@ class ActivationMeter:
             torch.cuda.synchronize()
             self.peak_bytes = torch.cuda.max_memory_allocated() - self._cuda_base
             return
-        self._mode.__exit__(*exc)
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        here = self._here()  # a forward that raised never ran its exit hook
+        self._stop_watch(here)
+        here.depth, here.entered = 0, []
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
