@@ -143,3 +143,16 @@ def test_vshape_plan_prints_the_pair_rows_and_their_flag(capsys, monkeypatch):
     dense = SMALL_MOE[:SMALL_MOE.index("--num-experts")] + SMALL_MOE[SMALL_MOE.index("--global-batch-size"):]
     assert cli.main([*SMALL_GRID, "--", *dense]) == 0
     assert "+pairs" not in capsys.readouterr().out
+
+
+def test_a_pair_row_without_a_layout_says_which_rule_stopped_it():
+    from megatron_vshape.planner.explain import why_nothing
+
+    cost_model, grid = CostModel(SLOW_LINKS), Grid(tp=(1,), pp=(4,), micro_batch=(1,), ep=(1,))
+    (found,) = search(["v-zb"], MOE, cost_model, 32, 64, grid, pairs=True)
+    assert found.best is None and found.label == "v-zb +pairs"
+    assert "needs expert parallelism (EP > 1)" in why_nothing(found, MOE, cost_model, 32, 64, grid)
+    # both the layout's rule (EP 8 over 4 experts) and the flag's (full recomputation): the layout's comes first
+    four, both = replace(MOE, num_experts=4), replace(grid, ep=(8,), recompute=("full",))
+    (found,) = search(["v-zb"], four, cost_model, 32, 64, both, pairs=True)
+    assert "EP 8 must divide --num-experts 4" in why_nothing(found, four, cost_model, 32, 64, both)

@@ -71,6 +71,7 @@ def _problem(name: str, layout: ParallelLayout, model: GPTModel, vocab_parallel:
         return f"{base} at PP {layout.pp} needs >= {minimum} microbatches; raise --global-batch"
     if vocab_parallel and (problem := vocab_problem(layout, model)) is not None:
         return problem
-    if pairs and (problem := pair_problem(name, layout, model)) is not None:
-        return problem
-    return layout.problem(model, num_stages(name, layout.pp))
+    problem = layout.problem(model, num_stages(name, layout.pp))
+    if problem is None and pairs:  # the flag's own rules after the layout's (a layout that cannot run at all)
+        problem = pair_problem(name, layout, model)
+    return problem
