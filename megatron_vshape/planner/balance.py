@@ -25,10 +25,11 @@ the reference layout (uniform, or the paper's "layers + 2" layout when uniform d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ..layout_flag import check_layout
 from ..schedules.core.schedule import Costs, Placement, PlacementKind, Schedule, ScheduleError, StageWork
-from ..schedules.core.simulator import simulate
+from ..schedules.core.simulator import last_end, simulate
 from ..schedules.generators.registry import SCHEDULES, get_schedule
 from .model import GPTModel
 from .simcache import exact_limit, extrapolation_sizes
@@ -106,23 +107,50 @@ def stage_work(model: GPTModel, layers_per_stage, flash_attention: bool = False,
     their own on every device (``--pipeline-vocab-parallel``, planner/vocab.py): the stages hold the
     layers alone, and the last one keeps no logits.
     """
-    layers = tuple(layers_per_stage)
-    num_stages = len(layers)
-    unit = model.layers / num_stages
-    extras = StageExtras() if vocab_parallel else extras or StageExtras.from_flops(model)
-    act = model.activation_bytes(1, 1, flash_attention)
-    logits = 0.0 if vocab_parallel else model.logits_bytes(1, 1)
-    weights = model.layer_weights(flash_attention)  # per layer, relative to the mean (1.0 when alike)
-    out, start = [], 0
-    for stage, count in enumerate(layers):
-        first, last = stage == 0, stage == num_stages - 1
-        own = [sum(w[i] for w in weights[start:start + count]) for i in range(4)]
-        start += count
-        work = [x + (e if first else 0.0) + (h if last else 0.0) for x, e, h in zip(own, extras.embedding, extras.head)]
-        memory = own[3] * act + (logits if last else 0.0)
-        ratios = [x / unit for x in work] + [memory / (unit * act)]
-        out.append(StageWork(*(max(r, MIN_STAGE_WORK) for r in ratios)))
-    return tuple(out)
+    return _stage_terms(model, flash_attention, extras, vocab_parallel).works(tuple(layers_per_stage))
+
+
+class _StageTerms:
+    """What :func:`stage_work` reads from the model, read once per (model, flash attention, extras): the layout
+    search asks for thousands of layouts of one model (the 1024-GPU plan: 7.7k calls), and each layout's
+    stages are (first layer, layer count) pairs it has mostly seen before, so their layers' sums are kept
+    (summed exactly as before, layer by layer from the first)."""
+
+    def __init__(self, model: GPTModel, flash_attention: bool, extras: StageExtras | None, vocab_parallel: bool):
+        self.model = model
+        self.extras = StageExtras() if vocab_parallel else extras or StageExtras.from_flops(model)
+        self.act = model.activation_bytes(1, 1, flash_attention)
+        self.logits = 0.0 if vocab_parallel else model.logits_bytes(1, 1)
+        self.weights = model.layer_weights(flash_attention)  # per layer, relative to the mean (1.0 when alike)
+        self._own: dict[tuple[int, int], list[float]] = {}
+
+    def own(self, start: int, count: int) -> list[float]:
+        found = self._own.get((start, count))
+        if found is None:
+            weights = self.weights
+            found = self._own[(start, count)] = [sum(w[i] for w in weights[start:start + count]) for i in range(4)]
+        return found
+
+    def works(self, layers: tuple[int, ...]) -> tuple[StageWork, ...]:
+        num_stages = len(layers)
+        unit = self.model.layers / num_stages
+        extras, act, logits = self.extras, self.act, self.logits
+        out, start = [], 0
+        for stage, count in enumerate(layers):
+            first, last = stage == 0, stage == num_stages - 1
+            own = self.own(start, count)
+            start += count
+            work = [x + (e if first else 0.0) + (h if last else 0.0) for x, e, h in zip(own, extras.embedding, extras.head)]
+            memory = own[3] * act + (logits if last else 0.0)
+            ratios = [x / unit for x in work] + [memory / (unit * act)]
+            out.append(StageWork(*(max(r, MIN_STAGE_WORK) for r in ratios)))
+        return tuple(out)
+
+
+@lru_cache(maxsize=16)
+def _stage_terms(model: GPTModel, flash_attention: bool, extras: StageExtras | None,
+                 vocab_parallel: bool) -> _StageTerms:
+    return _StageTerms(model, flash_attention, extras, vocab_parallel)
 
 
 def stage_time(work: StageWork, placement: Placement, costs: Costs) -> float:
@@ -252,12 +280,13 @@ class _Scorer:
             self.orders[key] = get_schedule(self.name, self.num_devices, m, costs, **limit)
         return self.orders[key]
 
-    def evaluate(self, layers, num_microbatches: int | None = None) -> tuple[float, float]:
-        """Build and time; a layout the generator cannot schedule (e.g. over a memory cap) scores infinity."""
+    def evaluate(self, layers, num_microbatches: int | None = None) -> float:
+        """Build and time (the makespan); a layout the generator cannot schedule (e.g. over a memory cap) scores
+        infinity."""
         try:
-            return self.time(self.build(layers, num_microbatches), layers)
+            return self.makespan(self.build(layers, num_microbatches), layers)
         except ScheduleError:
-            return INFINITY, INFINITY
+            return INFINITY
 
     def time(self, schedule: Schedule, layers) -> tuple[float, float]:
         """(makespan, peak activation memory) of ``schedule``'s order under ``layers``' costs."""
@@ -266,6 +295,12 @@ class _Scorer:
         # End of each device's last pass (the whole timeline's max end, without walking it all).
         end = max(result.timeline[program[-1]].end for program in schedule.programs if program)
         return end, max(result.peak_memory)
+
+    def makespan(self, schedule: Schedule, layers) -> float:
+        """:meth:`time`'s makespan alone (the ranking reads no memory: the simulator's memory timelines were
+        as long as its timing)."""
+        self.evaluated += 1
+        return last_end(schedule, self.costs_for(layers))
 
 
 def _moves(layers: tuple[int, ...]):
@@ -381,8 +416,8 @@ def _local_search(scorer: _Scorer, start: tuple[int, ...], size: int) -> tuple[i
     regular = scorer.name in REGULAR
 
     def own(layout) -> float:
-        return scorer.time(scorer.build(layout, size, shared=True), layout)[0] if regular \
-            else scorer.evaluate(layout, size)[0]
+        return scorer.makespan(scorer.build(layout, size, shared=True), layout) if regular \
+            else scorer.evaluate(layout, size)
 
     current = start
     current_time = own(current)
@@ -393,7 +428,7 @@ def _local_search(scorer: _Scorer, start: tuple[int, ...], size: int) -> tuple[i
         else:
             if current_time < INFINITY:  # rank on the current order, then regenerate the best few
                 order = scorer.build(current, size)
-                shortlist = [layout for _, layout in sorted((scorer.time(order, x)[0], x) for x in shortlist)]
+                shortlist = [layout for _, layout in sorted((scorer.makespan(order, x), x) for x in shortlist)]
             scored = [(own(layout), layout) for layout in shortlist[:GREEDY_SHORTLIST]]
         if not scored:
             break

@@ -75,10 +75,7 @@ class SimulationResult:
 def simulate(
     schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()
 ) -> SimulationResult:
-    costs.check_stages(schedule.num_stages, f"schedule {schedule.name!r}")
-    if costs.vocab is not None and not schedule.vocab_parallel:
-        raise ScheduleError(f"schedule {schedule.name!r} holds no vocabulary passes but the costs give their "
-                            "work; build it with those costs (the registry places the passes)")
+    _check(schedule, costs)
     pairs = pair_table(schedule, costs)
     times = _run_programs(schedule, costs, pairs)
     spans = [times.end[program[-1]] - times.start[program[0]] for program in times.programs if program]
@@ -110,6 +107,21 @@ def simulate(
     timeline = Timeline(times, schedule.programs)
     return SimulationResult(schedule, costs, timeline, makespan, most_work, bubble, peaks, mem_timelines, tuple(work),
                             exposed)
+
+
+def last_end(schedule: Schedule, costs: Costs = Costs()) -> float:
+    """When the last pass of ``schedule`` ends under ``costs`` (``simulate``'s timeline, no more): the end of
+    every device's last pass, without the memory, work and bubble a ranking of many orders never reads."""
+    _check(schedule, costs)
+    times = _run_programs(schedule, costs, pair_table(schedule, costs))
+    return max(times.end[program[-1]] for program in times.programs if program)
+
+
+def _check(schedule: Schedule, costs: Costs) -> None:
+    costs.check_stages(schedule.num_stages, f"schedule {schedule.name!r}")
+    if costs.vocab is not None and not schedule.vocab_parallel:
+        raise ScheduleError(f"schedule {schedule.name!r} holds no vocabulary passes but the costs give their "
+                            "work; build it with those costs (the registry places the passes)")
 
 
 def _work(times: ProgramTimes, num_stages: int, uniform: bool) -> list[float]:
