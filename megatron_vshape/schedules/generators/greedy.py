@@ -25,7 +25,7 @@ from ..core.inputs import EPS as _EPS
 from ..core.ledger import MemoryLedger
 from ..core.ready import ready_rule
 from ..core.schedule import Costs, MemoryModel, Placement, Schedule, ScheduleError
-from ..core.timing import UNSET, PassIds
+from ..core.timing import KINDS, UNSET, PassIds
 
 
 class Admission(enum.Enum):
@@ -116,6 +116,12 @@ def greedy_schedule(
     programs: list[list[Action]] = [[] for _ in range(num_devices)]
     priority = config.priority
 
+    # Each (kind, stage)'s time and number of inputs, read once per run (the loop below asks for them at
+    # every pass: a third of a V-ZB build's time went to Costs.of and dependencies()).
+    duration = {(kind, stage): costs.of(kind, stage) * scale for kind in KINDS for stage in range(num_stages)}
+    inputs = {(kind, stage): len(dependencies(Action(kind, stage, 0), num_stages))
+              for kind in KINDS for stage in range(num_stages)}
+
     def offer(action: Action) -> None:
         device = stage_device[action.stage]
         ready = ready_of(ids.of(action), end_time)  # offered once every input has ended: >= 0
@@ -135,7 +141,7 @@ def greedy_schedule(
             chosen = _pick(heaps[device], ready_at, now, device, state, config)
             if chosen is None:
                 continue
-            end = now + costs.of(chosen.kind, chosen.stage) * scale
+            end = now + duration[chosen.kind, chosen.stage]
             end_time[ids.of(chosen)] = end
             free_at[device] = end
             heapq.heappush(events, (end, device))
@@ -147,7 +153,7 @@ def greedy_schedule(
             for nxt in consumers(chosen, num_stages):
                 needed = missing.get(nxt)
                 if needed is None:
-                    needed = len(dependencies(nxt, num_stages))
+                    needed = inputs[nxt.kind, nxt.stage]
                 needed -= 1
                 missing[nxt] = needed
                 if needed == 0:
@@ -166,7 +172,7 @@ def _pick(heap, ready_at, now, device, state, config):
     while heap:
         key, action = heapq.heappop(heap)
         skipped.append((key, action))
-        if not _allowed(action, device, state, config):
+        if action.kind is Kind.F and not _allowed(action, device, state, config):  # only an F can be held back
             continue
         ready = ready_at[action]
         if ready <= now + _EPS:

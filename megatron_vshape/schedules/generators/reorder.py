@@ -81,14 +81,18 @@ def fill_idle(
             if 0 <= ready <= now + _EPS:
                 if index == 0 or level[device] + change + worst <= peaks[device] + _EPS:
                     return index
-            elif ready >= 0:
-                heapq.heappush(events, ready)
-                if ready < earliest:
-                    earliest = ready
+            elif ready >= 0 and ready < earliest:
+                earliest = ready
             running += change
             if running > worst:
                 worst = running
+        # Only the earliest ready time is an event for this device: it is scanned no sooner (``wake``), and
+        # that scan pushes the next one. (Pushing every ready time it saw, as before, gave the same scans at the
+        # same instants: a device is scanned only at its own wake or when it becomes free, both events either
+        # way; the heap held each pass's ready time once per scan.)
         wake[device] = earliest
+        if earliest < inf:
+            heapq.heappush(events, earliest)
         return None
 
     while left:

@@ -136,6 +136,12 @@ class _HPlacer:
         stage_device = [schedule.placement.device_of(s) for s in range(schedule.num_stages)]
         # The device of every (kind, stage) row of pass ids (a vocabulary pass's stage index is its shard).
         self.row_device = stage_device * 3 + [*range(self.num_devices), *stage_device[self.num_devices:]] * 2
+        # Per (kind, stage) row: its inputs' (pass id offset, delay), those it has (the bounds read them at every
+        # pass they follow).
+        _, first, first_delay, second, second_delay = self.table
+        self.row_inputs = [tuple((offset, delay) for offset, delay in ((first[k], first_delay[k]),
+                                                                       (second[k], second_delay[k])) if offset)
+                           for k in range(len(first))]
         # Each pass's index in its device's program before any H (once n H passes are placed before it, n
         # more), and per device the time of its passes before each index (a run of passes one after another).
         self.position = [-1] * (5 * self.ids.per_kind)
@@ -340,7 +346,7 @@ class _Bounds:
     def pace(self, breaks: tuple[int, ...]) -> float:
         placer, n = self.placer, self.n
         m, position, durations, row_device = placer.m, placer.position, placer.durations, placer.row_device
-        _, first, first_delay, second, second_delay = placer.table
+        row_inputs, parent_end = placer.row_inputs, self.parent_end
         arrival = self.t_k
         for device, (program, at) in enumerate(zip(self.programs, breaks)):
             if device != placer.holder:
@@ -358,22 +364,29 @@ class _Bounds:
                 if y in bound:
                     stack.pop()
                     continue
-                device = row_device[y // m]
+                k = y // m
+                device = row_device[k]
                 index = position[y] + n if position[y] >= 0 else -1
-                got = self._ended(y)
+                got = parent_end[y]  # (``_ended``, inline: the hottest line of the H placement)
+                if not got > 0.0:
+                    got = 0.0
                 if index < breaks[device]:  # before its device's H: timed before this H, or in the prefix
                     bound[stack.pop()] = got
                     continue
-                k = y // m
-                inputs = [(y - offset, delay) for offset, delay in ((first[k], first_delay[k]),
-                                                                    (second[k], second_delay[k])) if offset]
-                missing = [z for z, _ in inputs if z not in bound]
-                if missing:
-                    stack.extend(missing)
+                inputs = row_inputs[k]
+                waiting = len(stack)
+                for offset, _ in inputs:
+                    if y - offset not in bound:
+                        stack.append(y - offset)
+                if len(stack) > waiting:
                     continue
                 before = placer.before[device]
                 got = max(got, ended[device] + before[index + 1 - n] - before[breaks[device] - n])
-                ready = max((bound[z] + delay for z, delay in inputs), default=0.0)
+                ready = 0.0  # (bounds and delays are >= 0)
+                for offset, delay in inputs:
+                    at = bound[y - offset] + delay
+                    if at > ready:
+                        ready = at
                 bound[stack.pop()] = max(got, ready + durations[k])
             return bound[x]
 
