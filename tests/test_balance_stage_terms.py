@@ -1,6 +1,7 @@
 """balance.stage_work keeps what it reads from the model and each stage's layer sums (issue 44: the layout
 search asks for thousands of layouts of one model): every layout's works must equal those computed afresh,
-layer by layer, for any model, layout, extras and flag, in any order of asking."""
+with nothing kept, for any model, layout, extras and flag, in any order of asking (the sums and the rest of
+the arithmetic are the former stage_work's; tests/test_balance.py checks them against the FLOPs model)."""
 
 import random
 from dataclasses import replace
@@ -8,32 +9,17 @@ from dataclasses import replace
 import pytest
 
 from megatron_vshape.planner import balance
-from megatron_vshape.planner.balance import MIN_STAGE_WORK, StageExtras, stage_work
+from megatron_vshape.planner.balance import StageExtras, stage_work
 from megatron_vshape.planner.model import GPTModel
-from megatron_vshape.schedules.core.schedule import StageWork
 
 UNIFORM = GPTModel("head-heavy", 16, 64, 4, 32, 2048)
 HYBRID = replace(GPTModel("hybrid", 16, 64, 4, 32, 2048), pattern="M*M-M*M-M*M-M*M-")  # layers differ
 
 
 def afresh(model, layers, flash_attention=False, extras=None, vocab_parallel=False):
-    """stage_work as it was before its terms were kept: everything read from the model for this call."""
-    num_stages = len(layers)
-    unit = model.layers / num_stages
-    extras = StageExtras() if vocab_parallel else extras or StageExtras.from_flops(model)
-    act = model.activation_bytes(1, 1, flash_attention)
-    logits = 0.0 if vocab_parallel else model.logits_bytes(1, 1)
-    weights = model.layer_weights(flash_attention)
-    out, start = [], 0
-    for stage, count in enumerate(layers):
-        first, last = stage == 0, stage == num_stages - 1
-        own = [sum(w[i] for w in weights[start:start + count]) for i in range(4)]
-        start += count
-        work = [x + (e if first else 0.0) + (h if last else 0.0) for x, e, h in zip(own, extras.embedding, extras.head)]
-        memory = own[3] * act + (logits if last else 0.0)
-        ratios = [x / unit for x in work] + [memory / (unit * act)]
-        out.append(StageWork(*(max(r, MIN_STAGE_WORK) for r in ratios)))
-    return tuple(out)
+    """stage_work with nothing kept: a new reading of the model's terms for this one layout (no layer sums
+    from earlier layouts, no terms of another call)."""
+    return balance._StageTerms(model, flash_attention, extras, vocab_parallel).works(tuple(layers))
 
 
 def random_layout(rng, total, stages):
