@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..core.actions import Action, Kind
-from ..core.dependencies import dependencies
 from ..core.inputs import EPS as _EPS
 from ..core.ledger import MemoryLedger
 from ..core.ready import ready_rule
@@ -81,18 +80,6 @@ class _DeviceState:
         )
 
 
-def consumers(action: Action, num_stages: int) -> tuple[Action, ...]:
-    """Actions that take ``action``'s result as one of their inputs."""
-    s, m = action.stage, action.microbatch
-    if action.kind is Kind.F:
-        own_backward = Action(Kind.B, s, m)
-        return (Action(Kind.F, s + 1, m), own_backward) if s + 1 < num_stages else (own_backward,)
-    if action.kind is Kind.B:
-        weight = Action(Kind.W, s, m)
-        return (weight, Action(Kind.B, s - 1, m)) if s > 0 else (weight,)
-    return ()
-
-
 def greedy_schedule(
     name: str, placement: Placement, num_microbatches: int, costs: Costs, config: GreedyConfig
 ) -> Schedule:
@@ -104,9 +91,9 @@ def greedy_schedule(
     ids = PassIds(num_stages, num_microbatches)
     end_time = [UNSET] * (3 * ids.per_kind)
     ready_of = ready_rule(stage_device, num_microbatches, costs.comm)
-    missing: dict[Action, int] = {}
+    m, per_kind = num_microbatches, ids.per_kind
+    waiting: dict[int, int] = {}  # pass id of a two-input B -> the inputs it still lacks
     heaps: list[list] = [[] for _ in range(num_devices)]
-    ready_at: dict[Action, float] = {}
     free_at = [0.0] * num_devices
     # Future (instant, device) at which that device's choice may change: it becomes free, or a
     # pass is offered to it or becomes ready there. Only those devices are looked at then (a
@@ -116,76 +103,88 @@ def greedy_schedule(
     programs: list[list[Action]] = [[] for _ in range(num_devices)]
     priority = config.priority
 
-    # Each (kind, stage)'s time and number of inputs, read once per run (the loop below asks for them at
-    # every pass: a third of a V-ZB build's time went to Costs.of and dependencies()).
+    # Each (kind, stage)'s time, read once per run (the loop below asks for it at every pass).
     duration = {(kind, stage): costs.of(kind, stage) * scale for kind in KINDS for stage in range(num_stages)}
-    inputs = {(kind, stage): len(dependencies(Action(kind, stage, 0), num_stages))
-              for kind in KINDS for stage in range(num_stages)}
 
-    def offer(action: Action) -> None:
+    def offer(action: Action, x: int) -> None:
+        """Offer ``action`` (pass id ``x``) to its device once every input has ended."""
         device = stage_device[action.stage]
-        ready = ready_of(ids.of(action), end_time)  # offered once every input has ended: >= 0
-        ready_at[action] = ready
-        heapq.heappush(heaps[device], (priority(action), action))
+        ready = ready_of(x, end_time)  # >= 0: every input has ended
+        heapq.heappush(heaps[device], (priority(action), action, ready))
         heapq.heappush(events, (ready, device))
+
+    def fed(action: Action, x: int) -> None:
+        """One input of ``action`` has ended: offer it once all have (the data dependencies of
+        core.dependencies, read by count: a B before the last stage has two inputs, every other pass one)."""
+        if action.kind is Kind.B and action.stage < num_stages - 1:
+            left = waiting.pop(x, 2) - 1
+            if left:
+                waiting[x] = left
+                return
+        offer(action, x)
 
     # Stage-0 forwards have no inputs; offering them one at a time (in microbatch order) keeps
     # the first device's heap small instead of holding every microbatch from the start.
-    offer(Action(Kind.F, 0, 0))
+    offer(Action(Kind.F, 0, 0), 0)
     remaining = 3 * num_stages * num_microbatches
     now = 0.0
     while remaining:
         for device in _due_devices(now, events):
             if free_at[device] > now + _EPS:
                 continue
-            chosen = _pick(heaps[device], ready_at, now, device, state, config)
+            chosen = _pick(heaps[device], now, device, state, config)
             if chosen is None:
                 continue
-            end = now + duration[chosen.kind, chosen.stage]
-            end_time[ids.of(chosen)] = end
+            kind, stage, microbatch = chosen
+            x = ids.of(chosen)
+            end = now + duration[kind, stage]
+            end_time[x] = end
             free_at[device] = end
             heapq.heappush(events, (end, device))
             programs[device].append(chosen)
             remaining -= 1
             _account(chosen, device, state)
-            if chosen.kind is Kind.F and chosen.stage == 0 and chosen.microbatch + 1 < num_microbatches:
-                offer(Action(Kind.F, 0, chosen.microbatch + 1))
-            for nxt in consumers(chosen, num_stages):
-                needed = missing.get(nxt)
-                if needed is None:
-                    needed = inputs[nxt.kind, nxt.stage]
-                needed -= 1
-                missing[nxt] = needed
-                if needed == 0:
-                    offer(nxt)
+            # What ``chosen`` feeds (core.dependencies, read backwards): an F the next stage's F and its own B,
+            # a B its W and the previous stage's B; a W nothing.
+            if kind is Kind.F:
+                if stage == 0 and microbatch + 1 < num_microbatches:
+                    offer(Action(Kind.F, 0, microbatch + 1), x + 1)
+                if stage + 1 < num_stages:
+                    fed(Action(Kind.F, stage + 1, microbatch), x + m)
+                fed(Action(Kind.B, stage, microbatch), x + per_kind)
+            elif kind is Kind.B:
+                fed(Action(Kind.W, stage, microbatch), x + per_kind)
+                if stage > 0:
+                    fed(Action(Kind.B, stage - 1, microbatch), x - m)
         now = events[0][0] if events else None
         if now is None and remaining:
             raise ScheduleError(f"{name}: greedy scheduler stalled (memory caps {list(config.memory_caps)} too low)")
     return Schedule(name, placement, num_microbatches, tuple(tuple(p) for p in programs))
 
 
-def _pick(heap, ready_at, now, device, state, config):
-    """Pop the highest-priority pass that can start now (or None to wait); restore the others."""
+def _pick(heap, now, device, state, config):
+    """Pop the highest-priority pass that can start now (or None to wait); restore the others. The heap holds
+    (priority, action, ready time): the ready time rides along (never compared: no two actions are equal)."""
     skipped = []
     chosen = None
     worth_waiting = False
     while heap:
-        key, action = heapq.heappop(heap)
-        skipped.append((key, action))
+        item = heapq.heappop(heap)
+        skipped.append(item)
+        _, action, ready = item
         if action.kind is Kind.F and not _allowed(action, device, state, config):  # only an F can be held back
             continue
-        ready = ready_at[action]
         if ready <= now + _EPS:
-            chosen = action
+            chosen = item
             skipped.pop()
             break
         worth_waiting = worth_waiting or ready <= now + config.wait_window + _EPS
     for item in skipped:
         heapq.heappush(heap, item)
     if chosen is not None and worth_waiting:
-        heapq.heappush(heap, (config.priority(chosen), chosen))
+        heapq.heappush(heap, chosen)
         return None
-    return chosen
+    return chosen[1] if chosen is not None else None
 
 
 def _allowed(action, device, state: _DeviceState, config) -> bool:
