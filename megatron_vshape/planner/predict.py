@@ -30,7 +30,7 @@ from .moe_pairs import pair_problem, paired_costs
 from .parallel_layout import ParallelLayout
 from .rows import row_label
 from .simcache import run_pipeline
-from .vocab import vocab_call_seconds, vocab_work
+from .vocab import vocab_call_seconds, vocab_dp_exposed, vocab_work
 
 RECOMPUTE_SUFFIX = "-r"  # "1f1b-r": a schedule with full activation recomputation
 
@@ -170,9 +170,11 @@ def predict(name: str, layout: ParallelLayout, model: GPTModel, cost_model: Cost
     outside = 0.0
     sample = run.sample.schedule
     first_actions = sample.programs[sample.placement.device_of(0)]
-    if vocab_parallel:  # what runs outside the passes (planner/vocab.py): the reductions wait for it
-        outside, window = vocab_call_seconds(model, layout, cost_model, first_actions), 0.0
-    dp = cost_model.dp_exposed(model, layout, times, window)
+    if vocab_parallel:  # what runs outside the passes, and the shard's reductions after it (planner/vocab.py)
+        outside = vocab_call_seconds(model, layout, cost_model, first_actions)
+        dp = vocab_dp_exposed(model, layout, cost_model, times, window, outside)
+    else:
+        dp = cost_model.dp_exposed(model, layout, times, window)
     iteration = run.makespan + outside + dp + times.optimizer
     # The paper's bubble: 1 - compute / time, compute = m x (F + B + W) of one device (two V
     # chunks' worth of layer slots); waits for messages, exposed or not, count as bubble.

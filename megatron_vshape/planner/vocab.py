@@ -19,9 +19,9 @@ and the other devices' G passes wait for its end, the loss gradient's broadcast)
 
 Outside the passes (:func:`vocab_call_seconds`, added to the iteration by ``predict``): the call's
 prologue (the first slot's tokens and the first embedding) and epilogue (the last gradients), with every
-rank waiting; the data-parallel gradient reduction is charged (``predict``: a window of 0) as starting only
-after the epilogue, so none of it overlaps the backward. The runtime starts only the vocabulary shard's
-buckets there and every other bucket at its last W (runtime/iteration.py), so that charge is an upper bound.
+rank waiting; the data-parallel gradient reduction (:func:`vocab_dp_exposed`) as the runtime starts it: the
+layers' buckets at their last W (hidden by the backward's window and the epilogue, as without the flag), the
+vocabulary shard's buckets after the epilogue (exposed).
 Memory: the first stage's device holds a few microbatches' embeddings and gradients, every device a few microbatches' tokens (``ActivationModel.vocab_embedding`` and ``vocab_tokens``, counted
 along the simulated timeline by :func:`.memory.activation_peaks`, as the simulator's ledger counts them).
 
@@ -32,6 +32,8 @@ memory estimate uses.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ..schedules.core.schedule import Costs, VocabWork
 from ..schedules.core.vocab_embedding import embedding_slots
@@ -93,6 +95,21 @@ def vocab_call_seconds(model: GPTModel, layout: ParallelLayout, cost_model: Cost
     seconds = 0.0 if layout.pp <= 1 else (2 + embeddings) * P2P_LATENCY + moved / cost_model.pipeline_group_bandwidth(layout)
     rows = embeddings * (2.0 + 2.0 + 4.0 + 4.0) * tokens * model.hidden  # lookup; gradient read; main_grad r + w
     return seconds + cost_model._streaming(rows)
+
+
+def vocab_dp_exposed(model: GPTModel, layout: ParallelLayout, cost_model: CostModel, times: PassTimes,
+                     window: float, outside: float) -> float:
+    """The data-parallel sync the iteration pays with the flag, as the runtime starts it
+    (runtime/grad_finish.py): every bucket of the layers at its last W, as without the flag, with the
+    call's epilogue (``outside``, after the last W) hiding it too; the vocabulary shard's buckets only after
+    the epilogue, since G and the embedding's gradients add to them until then, so their share of the
+    gradient reduction is exposed in full (the parameter gather is as without the flag)."""
+    if layout.dp * layout.cp == 1:
+        return 0.0
+    share = (model.embedding_params + model.head_params) / model.total_params  # every rank holds 1/p of both
+    shard = times.grad_reduce * share
+    layers = replace(times, grad_reduce=times.grad_reduce - shard, dp_sync=times.dp_sync - shard)
+    return cost_model.dp_exposed(model, layout, layers, window + outside) + shard
 
 
 def label(schedule: str, vocab_parallel: bool) -> str:
