@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable
 
 from ..schedules.generators.registry import SCHEDULES
-from . import hybrid_pattern, pipeline_layout
+from . import hybrid_pattern, moe_overlap, pipeline_layout
 from .feature_checks import (
     check_context_parallel,
     check_cpu_backend,
@@ -186,7 +186,7 @@ def check_pipeline_costs(args, sizes) -> str | None:
             return f"--pipeline-costs-iters must be >= 1; got {iters}"
         return None
     try:
-        parse_pipeline_costs(spec)
+        parse_pipeline_costs(spec, moe_overlap.wants_pairs(args))
     except ConfigError as err:
         return str(err)
     return None

@@ -99,13 +99,15 @@ def splits_backward(name: str | None) -> bool:
     return not fuses_backward(name)
 
 
-def parse_pipeline_costs(text: str):
-    """``Costs`` from ``--pipeline-costs f=..,b=..`` (``auto`` is handled by the caller)."""
+def parse_pipeline_costs(text: str, pairs: bool = False):
+    """``Costs`` from ``--pipeline-costs f=..,b=..`` (``auto`` is handled by the caller). ``pairs``: the run
+    builds overlapped F&B pairs (``--overlap-moe-expert-parallel-comm`` under a V schedule, moe_overlap.py),
+    the only case an ``a2a`` shapes anything."""
     try:
         costs = Costs.parse(text)
     except ValueError as err:
         raise ConfigError(f"--pipeline-costs: {str(err).removeprefix('--costs: ')}") from None
-    if costs.a2a:  # the pairs come with --overlap-moe-expert-parallel-comm (moe_overlap.py), at its own a2a
-        raise ConfigError("--pipeline-costs: a2a (overlapped F&B pairs hiding the MoE all-to-all) is set by "
-                          "--overlap-moe-expert-parallel-comm under a V schedule (1 x F); drop a2a from --pipeline-costs")
+    if costs.a2a and not pairs:  # without pairs a2a would only stretch F and B in the order's timing
+        raise ConfigError("--pipeline-costs: a2a (the MoE all-to-all that overlapped F&B pairs hide) places pairs only "
+                          "with --overlap-moe-expert-parallel-comm under a V schedule; add that flag or drop a2a")
     return costs

@@ -3,7 +3,7 @@
 Megatron's own interleaved 1F1B runs the flag with its combined 1F1B. Under a V schedule the executor runs
 every training F and B, and each overlapped F&B pair, through the same ``combined_forward_backward_step``
 (``runtime/combined_step.py``), and the schedule is built with the pairs (``schedules/generators/pairing.py``,
-at an all-to-all cost of ``DEFAULT_A2A`` x F; ``--pipeline-costs`` refuses an a2a of its own).
+at an all-to-all cost of ``DEFAULT_A2A`` x F unless ``--pipeline-costs`` gives an ``a2a``).
 
 Refused in one line:
 

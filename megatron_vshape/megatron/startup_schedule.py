@@ -25,11 +25,12 @@ def costs_for_run(args):
     from ..schedules.core.schedule import Costs
 
     spec = getattr(args, "pipeline_costs", None)
-    base = parse_pipeline_costs(spec) if spec and spec.strip().lower() != "auto" else Costs()
+    pairs = moe_overlap.wants_pairs(args)
+    base = parse_pipeline_costs(spec, pairs) if spec and spec.strip().lower() != "auto" else Costs()
     costs = pipeline_layout.schedule_costs(args, base)
     if getattr(args, "pipeline_vocab_parallel", False):
         costs = replace(costs, vocab=pipeline_layout.vocab_work(args))
-    if moe_overlap.wants_pairs(args) and not costs.a2a:  # overlapped F&B pairs (issue 43)
+    if pairs and not costs.a2a:  # overlapped F&B pairs (issue 43), at the default all-to-all unless given
         costs = replace(costs, a2a=moe_overlap.DEFAULT_A2A)
     return costs
 

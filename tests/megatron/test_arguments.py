@@ -128,7 +128,8 @@ BAD = {
     "pipeline-costs-nan": (dict(pipeline_schedule="v-zb", pipeline_costs="f=nan"),
                            "--pipeline-costs: f: must be a finite number"),
     "pipeline-costs-a2a": (dict(pipeline_schedule="v-zb", pipeline_costs="f=1,a2a=0.5"),
-                           "--pipeline-costs: a2a (overlapped F&B pairs"),
+                           "--pipeline-costs: a2a (the MoE all-to-all that overlapped F&B pairs hide) places pairs only "
+                           "with --overlap-moe-expert-parallel-comm"),
     "save-under-a-file": (dict(save=__file__ + "/ckpt"), "exists and is not a directory"),
     "save-unwritable": (dict(save="/sys/vshape-ckpt"), "--save /sys/vshape-ckpt: cannot write into /sys"),
 }

@@ -32,6 +32,19 @@ def test_v_schedules_take_the_flag_and_build_pairs(name):
     assert costs_for_run(plain).a2a == 0.0 and not schedule_for_run(plain, Sizes.from_args(plain)).pairs
 
 
+def test_pipeline_costs_give_the_pairs_all_to_all():
+    """The all-to-all the pairs are placed for comes from --pipeline-costs when it names one (a measured ratio),
+    and places a different order than the default's; without the flag an a2a is refused in one line."""
+    sized = dict(pipeline_schedule="v-zb", pipeline_model_parallel_size=2, world_size=4, global_batch_size=32)
+    given = megatron_like(**sized, **FLAG, pipeline_costs="f=1,b=1,w=1,a2a=0.25")
+    assert problems(given) == [] and costs_for_run(given).a2a == 0.25
+    default = megatron_like(**sized, **FLAG, pipeline_costs="f=1,b=1,w=1")
+    assert costs_for_run(default).a2a == moe_overlap.DEFAULT_A2A
+    assert schedule_for_run(given, Sizes.from_args(given)).pairs != schedule_for_run(default, Sizes.from_args(default)).pairs
+    [line] = problems(megatron_like(**sized, bf16=True, pipeline_costs="f=1,a2a=0.25"))
+    assert "add that flag or drop a2a" in line and "\n" not in line
+
+
 @pytest.mark.parametrize("name", ["zb-h1", "zb-1p", "zb-2p", "gpipe"])
 def test_one_chunk_schedules_refuse_in_one_line(name):
     [line] = problems(megatron_like(pipeline_schedule=name, **FLAG))
