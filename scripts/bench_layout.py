@@ -448,8 +448,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-balanced", action="store_true",
                         help="time only the uniform and the vocabulary-parallel rows (half the time)")
     parser.add_argument("--g-after-next-h", action="store_true",
-                        help="the vocab-parallel row with each G after the next H, so that every loss gradient but "
-                             "the last rides in the next H's broadcast (testing/g_after_next_h.py)")
+                        help="the vocab-parallel row with each G after the next H on the last stage's rank too (the "
+                             "generators already run it there on every other rank, so that every loss gradient but "
+                             "the last rides in the next H's broadcast; testing/g_after_next_h.py)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)

@@ -148,8 +148,8 @@ def test_collectives_are_three_messages_where_every_hop_crosses_nodes_and_carrie
 # ---- the predicted MFU with and without the flag ----------------------------------------------------------
 # (schedule: MFU without the flag on the search's layout, on the uniform layout, with the flag); the planner's
 # numbers on this branch, pinned to half a point so that a change to the cost model shows here.
-LLAMA_MFU = {"1f1b": (0.3487, 0.2981, 0.3176), "zb-1p": (0.3967, 0.3429, 0.3763), "v-min": (0.2848, 0.2642, 0.2810),
-             "v-half": (0.3571, 0.3352, 0.3534), "v-zb": (0.4119, 0.3664, 0.4303)}
+LLAMA_MFU = {"1f1b": (0.3487, 0.2981, 0.3265), "zb-1p": (0.3967, 0.3429, 0.3761), "v-min": (0.2848, 0.2642, 0.2873),
+             "v-half": (0.3571, 0.3352, 0.3633), "v-zb": (0.4119, 0.3664, 0.4306)}
 
 
 @pytest.mark.usefixtures("recipe")
@@ -158,10 +158,13 @@ def test_llama3_8b_at_pp8_with_and_without_the_flag(llama):
     four) layers and the peak memory drops on every schedule; on the V schedules the flag beats the uniform
     layout without it (whose last stage carries the whole head). Everything that runs is costed (issue 42):
     H's fp32 hidden-gradient reduce across the inter-node network, which only the last stage's device waits
-    for (the others' G passes wait for its H's end), the call's prologue and epilogue, and the data-parallel
-    reduction as the runtime starts it (the layers' buckets at their last W, the vocabulary shard's after the
-    epilogue). V-ZB with the flag: 43.0 % against 41.2 % for its balanced layout (41.8 % while every bucket
-    was charged as waiting for the epilogue); the other schedules' flag stays below their balanced layout."""
+    for (the others' G passes wait for its H's end; each G(k) runs after H(k+1), so that wait is mostly past),
+    the call's prologue and epilogue, and the data-parallel reduction as the runtime starts it (the layers'
+    buckets at their last W, the vocabulary shard's after the epilogue). V-ZB with the flag: 43.1 % against
+    41.2 % for its balanced layout (41.8 % while every bucket was charged as waiting for the epilogue). With G
+    right after its H (before issue 42's move of G after the next H) 1F1B, V-Min and V-Half gave 31.8, 28.1 and
+    35.3 %: V-Min's and V-Half's flag now beat their balanced layout (28.7 % against 28.5 %, 36.3 % against
+    35.7 %); 1F1B's and ZB-1P's stay below."""
     model, cost_model, flash = llama
     assert set(LLAMA_MFU) == set(RECIPE_SCHEDULES)  # every schedule the recipe's plan prints
     for name, (search_mfu, uniform_mfu, flag_mfu) in LLAMA_MFU.items():
@@ -175,7 +178,7 @@ def test_llama3_8b_at_pp8_with_and_without_the_flag(llama):
         assert with_flag.memory.peak < without.memory.peak, name
         if name.startswith("v-"):
             assert with_flag.mfu > uniform.mfu, name
-    for name in ("1f1b", "zb-1p", "v-min", "v-half"):
+    for name in ("1f1b", "zb-1p"):
         assert LLAMA_MFU[name][2] < LLAMA_MFU[name][0], name
     assert predict("v-zb", LLAMA_LAYOUT, model, cost_model, flash, vocab_parallel=True).mfu \
         > predict("v-zb", LLAMA_LAYOUT, model, cost_model, flash).mfu

@@ -3,6 +3,8 @@ Algorithm 2): which microbatches' g ride, the lowered collectives, and the NCCL 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_vshape.schedules.core.actions import Action, VocabKind
@@ -50,25 +52,54 @@ def test_each_g_after_the_next_h_lets_every_loss_gradient_but_the_last_ride_and_
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_the_generators_run_each_g_before_the_next_h_so_every_loss_gradient_has_its_own_broadcast(name):
-    """Today's placement (vocab_passes.py: G right after its H, or in a gap before a later H on the zero-bubble
-    schedules) leaves no g to ride: the lowering keeps one broadcast per microbatch (what issue 42 still
-    counts against the authors' one barrier)."""
-    d = 4
-    m = max(SCHEDULES[name].min_microbatches(d), 2 * d)
-    schedule = get_schedule(name, d, m, COSTS)
-    assert carried_loss_grads(schedule.programs, _holder(schedule)) == {}
-    labels = _collectives(lower_program(schedule, COSTS))[0]
-    assert sum(x.endswith("loss gradient") for x in labels) == m
+def test_the_generators_run_each_g_after_the_next_h_so_every_loss_gradient_but_the_last_rides(name):
+    """The placement (vocab_passes.py) runs G(k) after H(k+1) on every rank (the last stage's, which computes g(k)
+    in H(k), too: see ``_first_h_before_g``): on the schedules as built, m - 1 of the m loss gradients ride in the next H's broadcast and a
+    call lowers 3m + 1 pipeline collectives in H instead of 4m (before issue 42's placement change: G right
+    after its H, or in a gap before a later H, so none rode: 4m), with every rank issuing the same ones."""
+    for d in (2, 4):
+        m = max(SCHEDULES[name].min_microbatches(d), 2 * d)
+        schedule = get_schedule(name, d, m, COSTS)
+        holder = _holder(schedule)
+        order = [a.microbatch for a in schedule.programs[holder] if a.kind is VocabKind.H]
+        assert carried_loss_grads(schedule.programs, holder) == dict(zip(order, order[1:])), (name, d)
+        every = _collectives(lower_program(schedule, COSTS))
+        assert all(labels == every[0] for labels in every), (name, d)
+        assert [x for x in every[0] if x.endswith("loss gradient")] == [f"H{order[-1]} loss gradient"], (name, d)
+        assert len([x for x in every[0] if x.startswith("H")]) == 3 * m + 1, (name, d)
+        for program in schedule.programs:  # every rank, the last stage's too (no rendezvous waits a G for it)
+            at = {(a.kind, a.microbatch): i for i, a in enumerate(program) if isinstance(a.kind, VocabKind)}
+            assert all(at[(VocabKind.G, k)] > at[(VocabKind.H, n)] for k, n in zip(order, order[1:])), (name, d)
+
+
+@pytest.mark.parametrize("name", ["v-half", "v-zb"])
+def test_the_schedules_as_built_ride_at_pp_2_and_4_and_pass_the_nccl_model(name):
+    for d in (2, 4):
+        for m in (d, 2 * d, 4 * d):
+            m = max(m, SCHEDULES[name].min_microbatches(d))
+            schedule = get_schedule(name, d, m, COSTS)
+            validate(schedule)
+            assert len(carried_loss_grads(schedule.programs, _holder(schedule))) == m - 1, (name, d, m)
+            train, evaluate = lower_program(schedule, COSTS), lower_program(schedule, COSTS, forward_only_call=True)
+            assert sum(x.startswith("H") for x in _collectives(train)[0]) == 3 * m + 1
+            check_program(train, evaluate, (True, False))
 
 
 def test_a_rank_that_expects_g_in_the_next_broadcast_when_another_does_not_is_a_mismatch_under_nccl():
     """The ranks must agree which g ride: the rule reads every rank's program. Lowered from two schedules that
     differ on one rank only (its G(0) before H(1)), the ranks' collectives differ and the NCCL model refuses."""
     plain = get_schedule("v-half", 2, 4, COSTS)
-    moved = g_after_next_h(plain)
-    train_moved, train_plain = lower_program(moved, COSTS), lower_program(plain, COSTS)
-    mixed = [train_moved.ranks[0].exchange, train_plain.ranks[1].exchange]
+    holder = _holder(plain)
+    other = 1 - holder
+    order = [a.microbatch for a in plain.programs[holder] if a.kind is VocabKind.H]
+    programs = [list(p) for p in plain.programs]
+    g = Action(VocabKind.G, other, order[0])
+    programs[other].remove(g)
+    programs[other].insert(programs[other].index(Action(VocabKind.H, other, order[0])) + 1, g)
+    early = replace(plain, programs=tuple(map(tuple, programs)))
+    train_plain, train_early = lower_program(plain, COSTS), lower_program(early, COSTS)
+    mixed = [None, None]
+    mixed[holder], mixed[other] = train_plain.ranks[holder].exchange, train_early.ranks[other].exchange
     with pytest.raises(NcclMismatch):
         run_nccl_model([[tuple(ops)] for ops in mixed], True)
 

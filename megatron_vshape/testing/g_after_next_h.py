@@ -1,11 +1,12 @@
 """A schedule with every G(k) moved to right after the next H, on every rank (tests and the benchmark).
 
-The generators (``schedules/generators/vocab_passes.py``) run each G right after its H, or in an idle gap
-before a later H; then g(k), the loss gradient G(k) needs, cannot ride with the next H's broadcast
-(``schedules/lowering/loss_grads.py``) and keeps a collective of its own. This is the order in which it
-can, as the authors' Algorithm 2 runs it: the runtime, the lowering and the NCCL model are checked on it
-here, and ``scripts/bench_layout.py --g-after-next-h`` times it. Each device then holds one more G's
-inputs (its softmax shard and hidden state) from H(k) until after H(k+1).
+The generators (``schedules/generators/vocab_passes.py``) already run each G(k) after H(k+1) on every rank
+but the last stage's (there right after H(k), or in an idle gap), so that g(k), the loss gradient G(k)
+needs, rides with the next H's broadcast (``schedules/lowering/loss_grads.py``). This moves the last stage's
+rank's G(k) after H(k+1) too, and any G that a hand-made order runs before the next H: the runtime, the
+lowering and the NCCL model are checked on that order here as well, and
+``scripts/bench_layout.py --g-after-next-h`` times it. Each moved G holds its inputs (its softmax shard and
+hidden state) from H(k) until after H(k+1).
 """
 
 from __future__ import annotations

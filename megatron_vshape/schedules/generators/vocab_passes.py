@@ -20,10 +20,17 @@ trial is timed only while a lower bound on its pace (``_Bounds``: the passes bef
 their times, every device's passes after its H follow it, each after its inputs) can still win. On uniform stages the boundaries of 1F1B's and the V schedules' steady states line
 up and H costs its own duration only.
 
-**G.** Right after its H where the schedule fuses its backward, and where it keeps activation memory
-low (V-Min, V-Half: a deferred G holds the logits' gradient). Elsewhere (zero-bubble schedules) a G
-fills an idle gap of its device after its H, as the zero-bubble schedules' own W passes do, with at most
-``MAX_DEFERRED_G`` waiting at a time; what no gap takes runs right after its H.
+**G.** G(k) needs the loss gradient g(k), which the last stage's device computes in H(k). Every device runs
+G(k) after H(k+1) (the next H in the order every device meets them; the last H's G after that H), so that
+g(k) rides in H(k+1)'s broadcast of the hidden state (the authors' Algorithm 2; ``lowering/loss_grads.py``)
+instead of a collective of its own; the last stage's device, which needs no broadcast, keeps the same order
+so that no device reaches a rendezvous a G ahead of the others (``_first_h_before_g``). Each device thus
+holds one more microbatch's G inputs (softmax shard and hidden state) than with G right after its H: the
+authors' p + 1 microbatches; the memory ledger and the simulator count them (an H allocates, its G frees).
+Right after that H where the schedule fuses its backward, and where it keeps activation memory low (V-Min,
+V-Half). Elsewhere (zero-bubble schedules) a G fills an idle gap of its device after that H, as the
+zero-bubble schedules' own W passes do, up to the H ``MAX_DEFERRED_G`` rendezvous later; what no gap takes
+runs right after that H.
 """
 
 from __future__ import annotations
@@ -461,21 +468,43 @@ def _prefix_through(trial: _Trial) -> TimedPrefix:
     return TimedPrefix(tuple(cursor), free, start, end)
 
 
-# A deferred G keeps its H's logits' gradient shard and hidden state: at most this many wait on a device
-# (a gap further away is not used; the G then runs right after its H).
+# A deferred G keeps its H's softmax shard and hidden state. G(k) may wait for an idle gap until the H this
+# many rendezvous after H(k+1), the first H it may follow (below); a gap further away is not used, and the G
+# then runs right after H(k+1).
 MAX_DEFERRED_G = 2
 
 
+def _h_order(programs, holder: int) -> list[int]:
+    """The microbatches of the H passes in the order every device meets them (the last stage's device's)."""
+    return [a.microbatch for a in programs[holder] if a.kind is VocabKind.H]
+
+
+def _first_h_before_g(order: list[int]) -> dict[int, int]:
+    """{k: n}: G(k) goes after H(n), n the H after H(k) in ``order`` (the last H's G: after it), on every device.
+
+    Every device other than the last stage's needs it so that g(k) rides in H(n)'s broadcast instead of one
+    of its own (``lowering/loss_grads.py``, the authors' Algorithm 2). The last stage's device computes g(k)
+    in H(k) and could run G(k) before H(n), but it keeps the same order: with its G(k) between H(k) and H(n)
+    alone, the other devices would reach H(n) one G earlier than it and wait there (V-ZB's simulated bubble
+    1.5 points higher at PP 2, 0.4 at PP 4 with 8 microbatches); with every device alike, none does. The
+    cost: every device holds one more microbatch's G inputs (softmax shard and hidden state) from H(k) to
+    after H(n), which the memory ledger and the simulator count (H allocates, G frees)."""
+    return {**dict(zip(order, order[1:])), order[-1]: order[-1]} if order else {}
+
+
 def _place_g(schedule: Schedule, costs: Costs, into_gaps: bool) -> Schedule:
-    """Every shard's G: into idle gaps after its H (``into_gaps``; at most ``MAX_DEFERRED_G`` waiting at a
-    time), else right after its H."""
+    """Every shard's G: after the H of :func:`_first_h_before_g`, into an idle gap before the H
+    ``MAX_DEFERRED_G`` rendezvous later (``into_gaps``), else right after that H."""
     _, g_time = vocab_pass_times(costs, schedule.num_devices)
     programs = [list(program) for program in schedule.programs]
+    order = _h_order(programs, schedule.placement.device_of(schedule.num_stages - 1))
+    after = _first_h_before_g(order)
     if not into_gaps or g_time <= 0:
-        return replace(schedule, programs=tuple(map(tuple, _with_g_after_h(programs))))
+        return replace(schedule, programs=tuple(map(tuple, _with_g_after_h(programs, order))))
     timing_costs = replace(costs, vocab=replace(costs.vocab, w=0.0))  # G free: time without them
-    timeline = simulate(replace(schedule, programs=tuple(map(tuple, _with_g_after_h(programs)))),
+    timeline = simulate(replace(schedule, programs=tuple(map(tuple, _with_g_after_h(programs, order)))),
                         timing_costs).timeline
+    position = {k: n for n, k in enumerate(order)}
     for device, program in enumerate(programs):
         gaps = []  # (index of the pass after the gap, room) in program order
         for i in range(1, len(program)):
@@ -483,39 +512,42 @@ def _place_g(schedule: Schedule, costs: Costs, into_gaps: bool) -> Schedule:
             if room > EPS:
                 gaps.append([i, room])
         extra: dict[int, list[Action]] = {}
-        left: list[Action] = []
-        h_end = {a.microbatch: timeline[a].end for a in program if a.kind is VocabKind.H}
+        after_h: dict[int, list[Action]] = {}
         h_index = {a.microbatch: i for i, a in enumerate(program) if a.kind is VocabKind.H}
-        order = sorted(h_end, key=h_end.get)
-        for n, k in enumerate(order):
+        for k, n in after.items():
             g = Action(VocabKind.G, device, k)
-            # At most MAX_DEFERRED_G deferred at a time: G(k) runs before the H that many passes later.
-            limit = h_index[order[n + MAX_DEFERRED_G]] if n + MAX_DEFERRED_G < len(order) else len(program) + 1
-            gap = next((gap for gap in gaps if h_index[k] < gap[0] <= limit and gap[1] >= g_time - EPS), None)
+            # G(k) runs before the H MAX_DEFERRED_G rendezvous after H(n).
+            later = position[n] + MAX_DEFERRED_G
+            limit = h_index[order[later]] if later < len(order) else len(program) + 1
+            gap = next((gap for gap in gaps if h_index[n] < gap[0] <= limit and gap[1] >= g_time - EPS), None)
             if gap is None:
-                left.append(g)
+                after_h.setdefault(n, []).append(g)
                 continue
             gap[1] -= g_time
             extra.setdefault(gap[0], []).append(g)
-        after_h = {g.microbatch: g for g in left}
         out = []
         for i, action in enumerate(program):
             out.extend(extra.get(i, ()))
             out.append(action)
-            if action.kind is VocabKind.H and action.microbatch in after_h:
-                out.append(after_h[action.microbatch])
+            if action.kind is VocabKind.H:
+                out.extend(after_h.get(action.microbatch, ()))
+        out.extend(extra.get(len(program), ()))
         programs[device] = out
     return replace(schedule, programs=tuple(map(tuple, programs)))
 
 
-def _with_g_after_h(programs: list[list[Action]]) -> list[list[Action]]:
-    """Every G right after its H (the schedules that fuse their backward, and V-Min / V-Half)."""
+def _with_g_after_h(programs: list[list[Action]], order: list[int]) -> list[list[Action]]:
+    """Every G right after the H of :func:`_first_h_before_g` (the schedules that fuse their backward, and
+    V-Min / V-Half): G(k) right after H(k+1), the last H's two G passes right after it."""
+    after_h: dict[int, list[int]] = {}
+    for k, n in _first_h_before_g(order).items():
+        after_h.setdefault(n, []).append(k)
     out = []
     for device, program in enumerate(programs):
         row = []
         for action in program:
             row.append(action)
             if action.kind is VocabKind.H:
-                row.append(Action(VocabKind.G, device, action.microbatch))
+                row.extend(Action(VocabKind.G, device, k) for k in after_h.get(action.microbatch, ()))
         out.append(row)
     return out

@@ -6,8 +6,10 @@ the loss gradient g(k) (d(objective)/d(per-token loss), one fp32 per token) is c
 rank at the end of H(k), and every other rank needs it only in G(k) (the output layer's weight gradient).
 It can ride with the next H's packed broadcast exactly when every other rank runs G(k) after that H: the
 runtime (``runtime/vocab_h.py``) and the lowering (``exchange._emit_h``) both read this one answer, so every
-rank issues the same collectives. Where some rank's G(k) comes before the next H (the schedule runs it right
-after its H, or in a gap before the next), g(k) keeps a broadcast of its own, posted at the end of H(k).
+rank issues the same collectives. The generators place every G that way on every rank but the last stage's
+(``generators/vocab_passes.py``), so on their schedules every g but the last H's rides. Where some rank's G(k)
+comes before the next H (a schedule written or moved by hand), g(k) keeps a broadcast of its own, posted at
+the end of H(k).
 """
 
 from __future__ import annotations
