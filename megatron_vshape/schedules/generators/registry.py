@@ -79,7 +79,7 @@ class ScheduleSpec:
     takes_memory_limit: bool = False  # build() accepts memory_limit (a fraction of 1F1B's peak)
     takes_chunks: bool = False  # build() honours chunks (model chunks per device on the looped placement)
     # With vocabulary passes: their G may wait for idle gaps (zero-bubble schedules) instead of running
-    # right after its H (see vocab_passes.py).
+    # right after the next H (see vocab_passes.py).
     vocab_g_in_gaps: bool = False
     # The order depends on the costs (greedy and block schedules): with unequal stages the order built
     # for uniform stages is a candidate too (``_not_slower_than_uniform``). Its memory bound: this many
