@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 
@@ -202,3 +203,36 @@ def train_call(func, ddp: list, iterators: list, step, num_microbatches: int, mo
     return func(forward_step_func=step, data_iterator=iterators if len(ddp) > 1 else iterators[0],
                 model=ddp if len(ddp) > 1 else ddp[0], num_microbatches=num_microbatches,
                 seq_length=model.seq_length, micro_batch_size=model.micro_batch_size)
+
+
+@contextlib.contextmanager
+def recorded_vocab_rank(world_size: int):
+    """One spawned rank of a pipeline of ``world_size`` (CPU mode, gloo) with the tiny model the vocabulary
+    tests train; yields (its ``ModelSettings``, the posts): every ``CommQueue.post`` of the block appends the
+    tensors it was given, so a test counts what the vocabulary queue moved. Restores the queue and the model
+    parallel state after."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from ..megatron.cpu_mode import enable_cpu_mode
+    from ..runtime import comm_queue
+
+    torch.set_num_threads(1)
+    enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, world_size)
+    model = ModelSettings(num_layers=4, hidden_size=32, seq_length=16, vocab_size=64)
+    model_parallel_cuda_manual_seed(model.seed)
+    posts: list[tuple] = []
+    post = comm_queue.CommQueue.post
+
+    def recording_post(self, issue, tensors=()):
+        posts.append(tuple(tensors))
+        return post(self, issue, tensors)
+
+    comm_queue.CommQueue.post = recording_post
+    try:
+        yield model, posts
+    finally:
+        comm_queue.CommQueue.post = post
+        parallel_state.destroy_model_parallel()

@@ -16,29 +16,13 @@ pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "n
 
 
 def buffers_rank(rank: int, world_size: int, schedule: str, counts: tuple[int, ...]):
-    import torch
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
-    from megatron_vshape.runtime import comm_queue
-    from megatron_vshape.testing.tiny_gpt import ModelSettings, forward_step, microbatch, train_call, vocab_pipeline
-
-    torch.set_num_threads(1)
-    enable_cpu_mode()
-    parallel_state.initialize_model_parallel(1, world_size)
-    model = ModelSettings(num_layers=4, hidden_size=32, seq_length=16, vocab_size=64)
-    model_parallel_cuda_manual_seed(model.seed)
-    func, ddp = vocab_pipeline(schedule, world_size, 4, model)
-
-    token_bytes = []  # every integer tensor posted on the vocabulary queue: the tokens
-    post = comm_queue.CommQueue.post
-
-    def recording_post(self, issue, tensors=()):
-        token_bytes.extend(t.nbytes for t in tensors if not t.is_floating_point())
-        return post(self, issue, tensors)
-
-    comm_queue.CommQueue.post = recording_post
+    from megatron_vshape.testing.tiny_gpt import (
+        forward_step,
+        microbatch,
+        recorded_vocab_rank,
+        train_call,
+        vocab_pipeline,
+    )
 
     class Counting:
         """The data items, counting how many were read ahead of the forward steps that use them."""
@@ -55,23 +39,25 @@ def buffers_rank(rank: int, world_size: int, schedule: str, counts: tuple[int, .
             return next(self.items)
 
     out = {}
-    for m in counts:
-        data = [dict(microbatch(model, i), index=i) for i in range(m)]
-        iterators = [Counting(data) for _ in ddp]
+    with recorded_vocab_rank(world_size) as (model, posts):
+        func, ddp = vocab_pipeline(schedule, world_size, 4, model)
+        for m in counts:
+            data = [dict(microbatch(model, i), index=i) for i in range(m)]
+            iterators = [Counting(data) for _ in ddp]
 
-        def step(data_iterator, module, iterators=iterators):
-            for it in iterators:
-                if it is data_iterator.source if hasattr(data_iterator, "source") else it is data_iterator:
-                    it.used += 1
-            return forward_step(data_iterator, module)
+            def step(data_iterator, module, iterators=iterators):
+                for it in iterators:
+                    if it is data_iterator.source if hasattr(data_iterator, "source") else it is data_iterator:
+                        it.used += 1
+                return forward_step(data_iterator, module)
 
-        token_bytes.clear()
-        train_call(func, ddp, iterators, step, m, model)
-        embedding_bytes = func.last_vocab_bytes[1] if hasattr(func, "last_vocab_bytes") else None
-        out[m] = {"token_bytes": max(token_bytes, default=0), "posted": len(token_bytes),
-                  "ahead": iterators[0].ahead, "embedding_bytes": embedding_bytes}
-    comm_queue.CommQueue.post = post
-    parallel_state.destroy_model_parallel()
+            posts.clear()
+            train_call(func, ddp, iterators, step, m, model)
+            # every integer tensor posted on the vocabulary queue: the tokens
+            token_bytes = [t.nbytes for tensors in posts for t in tensors if not t.is_floating_point()]
+            embedding_bytes = func.last_vocab_bytes[1] if hasattr(func, "last_vocab_bytes") else None
+            out[m] = {"token_bytes": max(token_bytes, default=0), "posted": len(token_bytes),
+                      "ahead": iterators[0].ahead, "embedding_bytes": embedding_bytes}
     return out
 
 

@@ -22,39 +22,28 @@ pytestmark = pytest.mark.slow  # launches processes: not in the fast tier (-m "n
 
 
 def posts_rank(rank: int, world_size: int, schedule: str, m: int):
-    import torch
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_vshape.megatron.cpu_mode import enable_cpu_mode
-    from megatron_vshape.runtime import comm_queue
     from megatron_vshape.schedules.lowering.exchange import OpKind
-    from megatron_vshape.testing.tiny_gpt import ModelSettings, forward_step, microbatch, train_call, vocab_pipeline
+    from megatron_vshape.testing.tiny_gpt import (
+        forward_step,
+        microbatch,
+        recorded_vocab_rank,
+        train_call,
+        vocab_pipeline,
+    )
 
-    torch.set_num_threads(1)
-    enable_cpu_mode()
-    parallel_state.initialize_model_parallel(1, world_size)
-    model = ModelSettings(num_layers=4, hidden_size=32, seq_length=16, vocab_size=64)
-    model_parallel_cuda_manual_seed(model.seed)
-    posted = []
-    post = comm_queue.CommQueue.post
-
-    def counting_post(self, issue, tensors=()):
-        posted.append(1)
-        return post(self, issue, tensors)
-
-    comm_queue.CommQueue.post = counting_post
     out = {}
-    for moved in (False, True):
-        func, ddp = vocab_pipeline(schedule, world_size, m, model, GAfterNextHExecutor if moved else None)
-        data = [dict(microbatch(model, i), index=i) for i in range(m)]
-        posted.clear()
-        train_call(func, ddp, [iter(data) for _ in ddp], forward_step, m, model)
-        program = func.program(world_size, m).ranks[parallel_state.get_pipeline_model_parallel_rank()].exchange
-        out[moved] = {"posted": len(posted), "lowered": sum(op.kind is OpKind.COLLECTIVE for op in program),
-                      "g": sum(op.kind is OpKind.COLLECTIVE and op.label.endswith("loss gradient") for op in program)}
-    comm_queue.CommQueue.post = post
-    parallel_state.destroy_model_parallel()
+    with recorded_vocab_rank(world_size) as (model, posts):
+        for moved in (False, True):
+            func, ddp = vocab_pipeline(schedule, world_size, m, model, GAfterNextHExecutor if moved else None)
+            data = [dict(microbatch(model, i), index=i) for i in range(m)]
+            posts.clear()
+            train_call(func, ddp, [iter(data) for _ in ddp], forward_step, m, model)
+            program = func.program(world_size, m).ranks[parallel_state.get_pipeline_model_parallel_rank()].exchange
+            out[moved] = {"posted": len(posts), "lowered": sum(op.kind is OpKind.COLLECTIVE for op in program),
+                          "g": sum(op.kind is OpKind.COLLECTIVE and op.label.endswith("loss gradient")
+                                   for op in program)}
     return out
 
 
