@@ -18,7 +18,7 @@ from megatron_vshape.planner.costs import CostModel
 from megatron_vshape.planner.hardware import GPUS
 from megatron_vshape.planner.memory import activation_model, activation_peaks
 from megatron_vshape.planner.model import GPTModel
-from megatron_vshape.planner.moe_pairs import FLAG, PAIRING_SCHEDULES, pair_problem, paired_costs
+from megatron_vshape.planner.moe_pairs import FLAG, PAIRING_SCHEDULES, pair_problem, paired_costs, run_a2a
 from megatron_vshape.planner.parallel_layout import ParallelLayout
 from megatron_vshape.planner.predict import predict, staged_costs
 from megatron_vshape.planner.rows import row_kinds
@@ -49,6 +49,9 @@ def test_pair_costs_hide_costs_pys_all_to_all_and_an_f_alone_costs_the_same():
     # a pair hides each all-to-all under the other's compute
     assert paired.pair_time(paired.f, paired.b) < costs.f + costs.b
     assert paired_costs(costs, cost_model.pass_times(MOE, replace(LAYOUT, ep=1)), MOE, layers) == costs  # nothing to hide
+    # the all-to-all the plan's flags hand the run (--pipeline-costs a2a=X) is the one the row's pairs were placed for
+    assert run_a2a(times) == pytest.approx(paired.a2a)
+    assert run_a2a(cost_model.pass_times(MOE, replace(LAYOUT, ep=1))) == 0.0
 
 
 def test_pair_row_is_the_simulators_time_and_memory_of_its_paired_order():
@@ -111,6 +114,9 @@ def test_pair_rows_only_where_the_flag_runs_and_their_flags():
         predict("v-zb", replace(LAYOUT, ep=1), MOE, CostModel(SLOW_LINKS), pairs=True)
     words = recipe_flags("v-zb", LAYOUT, (1,) * 8, pairs=True)
     assert words[-1] == FLAG and "--pipeline-vocab-parallel" not in words
+    words = recipe_flags("v-zb", LAYOUT, (1,) * 8, pairs=True, a2a=0.6251)
+    assert words[-3:] == [FLAG, "--pipeline-costs", "a2a=0.625"]
+    assert "--pipeline-costs" not in recipe_flags("v-zb", LAYOUT, (1,) * 8, a2a=0.6251)  # no pairs: nothing to place
     assert FLAG not in recipe_flags("v-zb", LAYOUT, (1,) * 8)
 
 
@@ -136,7 +142,12 @@ def test_vshape_plan_prints_the_pair_rows_and_their_flag(capsys, monkeypatch):
     rows = sorted(line[:16].strip() for line in out.splitlines() if " bubble " in line)
     assert rows == ["v-zb", "v-zb +pairs", "zb-1p"], out  # the pair row for the V schedule only
     commands = {line[:16].strip(): line.split() for line in out.splitlines() if "--pipeline-schedule" in line}
-    assert commands["v-zb +pairs"][-1] == FLAG and FLAG not in commands["v-zb"] and FLAG not in commands["zb-1p"]
+    pair_words = commands["v-zb +pairs"]
+    assert FLAG in pair_words and FLAG not in commands["v-zb"] and FLAG not in commands["zb-1p"]
+    # the run places its pairs for the all-to-all the row costed, not for the run's default of 1 x F
+    given = Costs.parse(pair_words[pair_words.index("--pipeline-costs") + 1])
+    assert 0 < given.a2a != 1.0 and (given.f, given.b, given.w) == (1.0, 1.0, 1.0)
+    assert all("--pipeline-costs" not in commands[name] for name in ("v-zb", "zb-1p"))
     assert "v-zb +pairs      search's layout" in out
     assert cli.main([*SMALL_GRID, "--no-moe-pairs", "--", *SMALL_MOE]) == 0
     assert "+pairs" not in capsys.readouterr().out

@@ -72,6 +72,14 @@ def paired_costs(costs: Costs, times: PassTimes, model: GPTModel, layers_per_sta
     return replace(costs, f=f, b=b, a2a=a2a / f, stages=stages)
 
 
+def run_a2a(times: PassTimes) -> float:
+    """The all-to-all a run's pairs are to be placed for (``--pipeline-costs a2a=X`` in the plan's flags): per F
+    and per B, in units of a layer's F compute, which is the unit the run's costs count F in. Without it the run
+    places its pairs for ``moe_overlap.DEFAULT_A2A`` (1 x F), whatever the plan costed."""
+    compute = times.f - times.a2a
+    return times.a2a / compute if times.a2a > 0 and compute > 0 else 0.0
+
+
 def stage_a2a_shares(model: GPTModel, layers_per_stage: tuple[int, ...]) -> tuple[float, ...]:
     """Each stage's all-to-all over the mean stage's: the top-k token copies its MoE layers move (a dense layer
     moves none; the embedding and the head none)."""

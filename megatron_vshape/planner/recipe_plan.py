@@ -16,6 +16,7 @@ from .costs import CostModel
 from .layer_layout_mfu import LayoutComparison
 from .megatron_args import ParsedFlags, parse_flags
 from .model import GPTModel
+from .moe_pairs import run_a2a
 from .recipe import recipe_flags
 from .search import Grid, ScheduleSearch
 
@@ -96,6 +97,7 @@ def commands(results: list[ScheduleSearch], comparisons: dict) -> str:
         layers = found.best.layers_per_stage  # the search's proportional layout (its row's MFU)
         if isinstance(comparison, LayoutComparison) and comparison.balanced_mfu >= found.best.mfu:
             layers = comparison.choice.layers_per_stage  # the balance search found better
-        flags = command_line(found.schedule, found.best.layout, layers or None, found.vocab_parallel, found.pairs)
+        a2a = run_a2a(found.best.pass_times) if found.pairs else 0.0
+        flags = command_line(found.schedule, found.best.layout, layers or None, found.vocab_parallel, found.pairs, a2a)
         lines.append(f"{found.label:<16s} {flags}")
     return "\n".join(lines)
