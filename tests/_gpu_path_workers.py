@@ -4,8 +4,9 @@ activation recomputation."""
 
 from __future__ import annotations
 
-from _autograd_threads import backward_on_new_threads
 from _wgrad_support import Case, _config, _grads, _microbatches, _reset, gpt_layer_forward, init_megatron
+
+from megatron_vshape.testing.autograd_threads import backward_on_new_threads
 
 # --- the executor with every backward on a new thread (as megatron.training on a GPU) ----------------
 

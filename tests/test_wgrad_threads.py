@@ -3,7 +3,7 @@
 On CUDA, autograd runs ``Function.backward`` on a per-device worker thread that sees none of the
 caller's ContextVars or thread-locals, and megatron.training's backward goes through
 ``custom_backward`` (``Variable._execution_engine.run_backward``), which does not stash the caller's
-context for that thread either. ``_wgrad_support.backward_on_new_threads`` reproduces this on CPU by
+context for that thread either. ``megatron_vshape.testing.autograd_threads.backward_on_new_threads`` reproduces this on CPU by
 running every ``run_backward`` on a new, bare thread.
 """
 
@@ -13,7 +13,6 @@ import threading
 
 import pytest
 import torch
-from _autograd_threads import backward_on_new_threads
 from _gpu_path_workers import threaded_executor_worker
 
 from megatron_vshape.runtime.wgrad import (
@@ -22,6 +21,7 @@ from megatron_vshape.runtime.wgrad import (
     WgradError,
 )
 from megatron_vshape.testing import ModelSettings, RunSpec, reference_worker, spawn
+from megatron_vshape.testing.autograd_threads import backward_on_new_threads
 
 
 def _layer_and_batch():

@@ -13,6 +13,10 @@ schedule built at an all-to-all cost of 1 x F, so that it pairs). Megatron's con
 (a rule about its GPU kernels); here the flag is set on an fp32 config after its checks, so the combined
 path's maths is compared with the one-process fp32 reference at the same tolerance as every other run.
 
+``backward_on_new_threads`` runs every backward of the pipeline ranks on a new, bare thread, as CUDA's autograd
+runs it on its device thread (:mod:`.autograd_threads`): the B/W split's capture and the combined step's
+backward must work from a thread that sees none of the executor's thread-locals.
+
 ``sync_bucket_launch`` makes every bucket reduction complete at its launch: a bucket launched before
 the last W of one of its weights then ends up with that W's contribution un-reduced, which the
 gradient check sees deterministically. Without it the launch is asynchronous, as in a real run (gloo's
@@ -23,10 +27,12 @@ reduction did not overlap anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
 
+from .autograd_threads import backward_on_new_threads
 from .spawn import spawn
 from .tiny_gpt import ModelSettings, _data, forward_step
 from .workers import _rel_err, global_param_names
@@ -57,6 +63,7 @@ class RecipeSpec:
     bucket_size: int | None = 2000  # small buckets: several per chunk, so launches are per bucket
     model: ModelSettings = ModelSettings(num_layers=8)
     overlap_moe: bool = False  # every pass through Megatron's combined 1F1B step, pairs as one call of it
+    backward_on_new_threads: bool = False  # every backward on a new thread, as on a GPU (module docstring)
 
     @property
     def world_size(self) -> int:
@@ -169,8 +176,13 @@ def pipeline_worker(rank, world_size, spec: RecipeSpec, ref_path: str):
     model_parallel_cuda_manual_seed(spec.model.seed)
     reference = torch.load(ref_path)
     launches = _record_launches(spec.sync_bucket_launch)
-    results = {result_name(spec, name, mode): _run_schedule(name, mode, spec, reference, launches)
-               for name in spec.schedules for mode in spec.recompute}
+    results = {}
+    for name in spec.schedules:
+        for mode in spec.recompute:
+            with backward_on_new_threads() if spec.backward_on_new_threads else contextlib.nullcontext() as engine:
+                row = _run_schedule(name, mode, spec, reference, launches)
+            row["backward_threads"] = engine.threads_used if engine is not None else 0
+            results[result_name(spec, name, mode)] = row
     parallel_state.destroy_model_parallel()
     return results
 
@@ -296,6 +308,6 @@ def run_recipe_check(spec: RecipeSpec, timeout: float = 300.0) -> dict:
             "late_launches": [sum(r["late_launches"][i] for r in rows) for i in range(spec.iterations)],
             "buckets": sum(r["buckets"] for r in rows),
             "wgrad_deferred": sum(r["wgrad_deferred"] for r in rows), "peak_activation_bytes": peaks,
-            "pairs": rows[0]["pairs"],
+            "pairs": rows[0]["pairs"], "backward_threads": sum(r["backward_threads"] for r in rows),
         }
     return merged

@@ -1,5 +1,5 @@
-"""Every backward on a new thread, as CUDA's autograd runs it (used by the tests' workers and by
-tests/megatron/threaded_backward_entry.py)."""
+"""Every backward on a new thread, as CUDA's autograd runs it (used by the tests' workers, the recipe checks'
+``RecipeSpec.backward_on_new_threads`` and tests/megatron/threaded_backward_entry.py)."""
 
 from __future__ import annotations
 
