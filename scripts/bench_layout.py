@@ -51,6 +51,7 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
 
     torch.set_num_threads(1)
     enable_cpu_mode()
+    _watch_collectives()
     parallel_state.initialize_model_parallel(1, world_size)
     model_parallel_cuda_manual_seed(model.seed)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -86,7 +87,7 @@ def _worker(rank, world_size, model: ModelSettings, schedule: str, microbatches,
                     ran[name].append(list(rows[name][0].last_timeline))
     gathered = {name: _gathered(passes) for name, passes in ran.items()}
     vocab_passes = _pass_means([passes[-1] for passes in gathered[VOCAB]])  # the last timed call
-    h_waits = _h_waits(gathered[VOCAB])
+    h_waits = _h_waits(gathered[VOCAB], _gathered(list(_COLLECTIVES)), _gathered(list(_SLOTS)))
     in_run = {name: _simulate_as_ran(rows[name][0].schedule(world_size, microbatches), by_rank, times[name])
               for name, by_rank in gathered.items()}
     # Each timed step on its own: its passes' costs, simulated, plus its time outside them (under a varying load
@@ -121,36 +122,121 @@ class InRunPrediction:
         return self.makespan + self.outside
 
 
-def _h_waits(by_rank: list) -> list[dict[str, float]]:
+# This rank's host time in the collectives the vocabulary passes call through ``torch.distributed`` (broadcast,
+# all_gather, all_reduce, reduce): (start, end, issued) per call (``issued``: a call's own time, True; the wait
+# for an async call's work, False), perf_counter seconds like the executor's pass timeline.
+_COLLECTIVES: list[tuple[float, float, bool]] = []
+_SLOTS: list[tuple[float, float]] = []  # (start, end) of each embedding slot (runtime/vocab_embedding.py), if any
+
+
+def _watch_collectives() -> None:
+    """Time the host in every collective call and every wait for an async one (:data:`_COLLECTIVES`): a blocking
+    call, an async call's post and its work's ``wait``. Any version of the executor calls them through the
+    module, so the same watch measures any version."""
+    import time
+
+    import torch.distributed as dist
+
+    class Watched:
+        def __init__(self, work):
+            self._work = work
+
+        def wait(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self._work.wait(*args, **kwargs)
+            finally:
+                _COLLECTIVES.append((start, time.perf_counter(), False))
+
+        def __getattr__(self, name):
+            return getattr(self._work, name)
+
+    for name in ("broadcast", "all_gather", "all_reduce", "reduce"):
+        def watched(*args, _call=getattr(dist, name), **kwargs):
+            start = time.perf_counter()
+            work = _call(*args, **kwargs)
+            _COLLECTIVES.append((start, time.perf_counter(), True))
+            return Watched(work) if work is not None and kwargs.get("async_op") else work
+
+        setattr(dist, name, watched)
+    try:  # the embedding's collectives, which later versions run at the start of an H (their slot)
+        from megatron_vshape.runtime.vocab_embedding import EmbeddingPasses
+    except ImportError:
+        return
+
+    def run_slot(self, slot, _run=EmbeddingPasses.run_slot):
+        start = time.perf_counter()
+        try:
+            return _run(self, slot)
+        finally:
+            _SLOTS.append((start, time.perf_counter()))
+
+    EmbeddingPasses.run_slot = run_slot
+
+
+def _h_waits(by_rank: list, collectives: list, slots: list) -> list[dict[str, float]]:
     """Per rank, mean ms per microbatch over the timed calls: ``in H`` (its H pass, start to end),
     ``after last`` (from the last rank's arrival at that rendezvous to this rank's end of H: the
     collectives' own cost, without the skew of the arrivals, which the schedule sets), ``arrival`` (how
-    long before the last rank it arrived) and ``in G`` (its G, which now also waits for the loss gradient).
-    From the pass timeline alone, so the same script measures any version of the executor."""
+    long before the last rank it arrived) and ``in G`` (its G, which now also waits for the loss gradient);
+    ``blocked`` (the host's time inside H in collective calls and waits, ``collectives``: :data:`_COLLECTIVES`
+    of each rank: the skew and the collectives' own time), ``computing`` (``in H`` less ``blocked``),
+    ``calls`` (collectives issued inside H, per microbatch) and ``blocked in G``; ``embedding`` (the
+    embedding's slot inside H, where a version runs it there: ``slots``, :data:`_SLOTS` of each rank; its
+    collectives and compute are left out of ``blocked``, ``computing`` and ``calls``).
+    From the pass timeline and the collectives' watch alone, so the same script measures any version of the
+    executor."""
+    import bisect
     from collections import defaultdict
 
     from megatron_vshape.schedules.core.actions import VocabKind
 
     spans = defaultdict(dict)  # (iteration, microbatch) -> rank -> (start, end)
     g = defaultdict(list)
+    own = defaultdict(lambda: defaultdict(list))  # rank -> kind -> (start, end) of its own passes
     for rank, calls in enumerate(by_rank):
         for i, passes in enumerate(calls):
             for action, start, end in passes:
                 if action.kind is VocabKind.H:
                     spans[i, action.microbatch][rank] = (start, end)
+                    own[rank]["H"].append((start, end))
                 elif action.kind is VocabKind.G:
                     g[rank].append(end - start)
+                    own[rank]["G"].append((start, end))
+
+    ordered_slots = [sorted(spans) for spans in slots]
+    ordered = [sorted(c for c in calls if not any(a <= c[0] <= b for a, b in ordered_slots[rank]))
+               for rank, calls in enumerate(collectives)]
+
+    def inside(rank, start, end):
+        calls = ordered[rank]
+        lo = bisect.bisect_left(calls, (start,))
+        hi = bisect.bisect_right(calls, (end, float("inf")))
+        chosen = calls[lo:hi]
+        return sum(min(e, end) - s for s, e, _ in chosen), sum(1 for *_, issued in chosen if issued)
+
+    def slot_time(rank, start, end):
+        return sum(min(b, end) - max(a, start) for a, b in ordered_slots[rank] if a < end and b > start)
+
     out = []
     for rank in range(len(by_rank)):
-        inside, after, early = [], [], []
+        inside_h, after, early = [], [], []
         for ranks in spans.values():
             last = max(start for start, _ in ranks.values())
             start, end = ranks[rank]
-            inside.append(end - start)
+            inside_h.append(end - start)
             after.append(end - last)
             early.append(last - start)
-        out.append({"in H": 1e3 * statistics.fmean(inside), "after last": 1e3 * statistics.fmean(after),
-                    "arrival": 1e3 * statistics.fmean(early), "in G": 1e3 * statistics.fmean(g[rank])})
+        blocked_h = [inside(rank, s, e) for s, e in own[rank]["H"]]
+        blocked_g = [inside(rank, s, e)[0] for s, e in own[rank]["G"]]
+        mean_h = statistics.fmean(inside_h)
+        blocked = statistics.fmean(b for b, _ in blocked_h)
+        embedding = statistics.fmean(slot_time(rank, s, e) for s, e in own[rank]["H"])
+        out.append({"in H": 1e3 * mean_h, "after last": 1e3 * statistics.fmean(after),
+                    "arrival": 1e3 * statistics.fmean(early), "in G": 1e3 * statistics.fmean(g[rank]),
+                    "blocked": 1e3 * blocked, "computing": 1e3 * (mean_h - blocked - embedding),
+                    "embedding": 1e3 * embedding,
+                    "calls": statistics.fmean(n for _, n in blocked_h), "blocked in G": 1e3 * statistics.fmean(blocked_g)})
     return out
 
 
@@ -499,10 +585,13 @@ def _report(args, result) -> dict:
     print("  vocab-parallel row, mean ms per pass measured (planned from the calibration): "
           + ", ".join(f"{k} {measured[k] * 1e3:.1f} ({want[k] * 1e3:.1f})" for k in "FBWHG" if k in measured))
     print("  H waits of the vocab-parallel row, mean ms per microbatch, per pipeline rank (in H; of which from the "
-          "last rank's arrival to the end; before it; and in G):")
+          "last rank's arrival to the end; before it; and in G; H's host time in collective calls and waits, "
+          "the rest, and the embedding's slot where it runs in H):")
     for rank, row in enumerate(result["h_waits"]):
         print(f"    rank {rank}: in H {row['in H']:.2f}, after the last arrival {row['after last']:.2f}, "
-              f"arrival {row['arrival']:.2f}, in G {row['in G']:.2f}")
+              f"arrival {row['arrival']:.2f}, in G {row['in G']:.2f}; in H blocked in collectives "
+              f"{row['blocked']:.2f} ({row['calls']:.1f} calls), computing {row['computing']:.2f}, the embedding's "
+              f"slot {row['embedding']:.2f}; in G blocked {row['blocked in G']:.2f}")
     in_run = result["in_run"]
     print(f"  predicted {VOCAB} ratio: the simulator on the schedules that ran, with the passes' costs measured in "
           "the same iterations (H: from the last rank's arrival), plus each call's time outside its passes")
