@@ -205,7 +205,8 @@ def test_collectives_in_another_order_on_one_device_are_refused_and_hang_under_n
 def test_h_posts_its_collectives_on_the_vocabulary_queue_and_waits_only_where_needed():
     """Per H: three collectives on the vocabulary queue in one order on every rank, and the loss gradient of
     the H before in its broadcast (G(k) runs after H(k+1) on every rank); only the last H's loss gradient has
-    a broadcast of its own. The last stage's rank waits for the reduce in H and nobody waits for a loss
+    a broadcast of its own. The last stage's rank waits for the reduce in H, the others at their next H (the
+    send buffer let go there, not at G(k) after it; the last H's at its G), and nobody waits for a loss
     gradient before G but in the broadcast it rides in (or, for the last, right before its G)."""
     costs = Costs(vocab=HEAD)
     schedule = get_schedule("v-half", 2, 4, costs)
@@ -230,12 +231,19 @@ def test_h_posts_its_collectives_on_the_vocabulary_queue_and_waits_only_where_ne
         assert by_label["H0 statistics"] in waited
         g_step = next(i for i, op in enumerate(ops) if op.kind is OpKind.COMPUTE
                       and rank.steps[op.index].action == Action(VocabKind.G, r, 0))
-        if not holder:  # right before G(0): the reduce's send, g(0) having come in H1's broadcast
-            assert ops[g_step - 1].kind is OpKind.WAIT and ops[g_step - 1].index == by_label["H0 hidden gradient"]
+        h1 = by_label["H1 hidden state and labels, loss gradient of 0"]
+        reduce_waits = [i for i, op in enumerate(ops) if op.kind is OpKind.WAIT and op.index == by_label["H0 hidden gradient"]]
+        if holder:  # in H0, before its B
+            assert len(reduce_waits) == 1 and reduce_waits[0] < h1
+        else:  # at H1, its broadcast posted (the send buffer let go before H1 makes its own), not at G(0)
+            assert reduce_waits == [h1 + 1] and ops[h1 + 2].kind is OpKind.WAIT and ops[h1 + 2].index == h1
+            assert ops[g_step - 1].kind is not OpKind.WAIT  # g(0) came in H1's broadcast: G(0) waits for nothing
         loss_wait = next(i for i, op in enumerate(ops) if op.kind is OpKind.WAIT and op.index == by_label["H3 loss gradient"])
         last_g = next(i for i, op in enumerate(ops) if op.kind is OpKind.COMPUTE
                       and rank.steps[op.index].action == Action(VocabKind.G, r, 3))
-        assert loss_wait == last_g - (1 if holder else 2)  # right before G(3): the broadcast (and the reduce's send)
+        assert loss_wait == last_g - 1  # right before G(3): the broadcast (after the last reduce's send: no H after)
+        if not holder:
+            assert ops[last_g - 2].kind is OpKind.WAIT and ops[last_g - 2].index == by_label["H3 hidden gradient"]
     evaluate = lower_program(schedule, costs, forward_only_call=True)
     assert {op.label.split(" ", 1)[1] for rank in evaluate.ranks for op in rank.exchange
             if op.kind is OpKind.COLLECTIVE} == {"hidden state and labels", "statistics", "embedding", "tokens"}

@@ -9,8 +9,9 @@ parallelism does (over TP x CP); recomputation modes: see :func:`activation_mode
 Vocabulary parallelism (``--pipeline-vocab-parallel``): each of the p pipeline devices holds 1/p of the
 rows of the word embedding and of the output layer (:func:`vocab_params_per_device`), and instead of
 the last stage keeping one microbatch's fp32 logits from its F to its B, every device holds its shard's
-logit gradient and a copy of the final hidden state from its H pass to its G pass
-(:func:`vocab_activation_bytes`).
+fp32 softmax and a copy of the final hidden state from its H pass to its G pass
+(:func:`vocab_activation_bytes`), and every device but the last stage's one fp32 [tokens, hidden] send buffer
+of the hidden gradient's reduce (:func:`vocab_send_bytes`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from ..schedules.core.actions import Kind, VocabKind
 from ..schedules.core.simulator import SimulationResult
-from ..schedules.core.vocab_embedding import buffer_events
+from ..schedules.core.vocab_embedding import buffer_events, send_events
 from ..vocab_shards import shard_sizes
 from .model import GPTModel
 from .parallel_layout import ParallelLayout, stage_layers
@@ -104,16 +105,36 @@ def static_bytes(model: GPTModel, layout: ParallelLayout, stages_per_device, num
     return tuple(out)
 
 
+# Per token, the small tensors one microbatch's H keeps for its G (runtime/vocab_h.py, vocab_parallel.py): the
+# labels (int64, in the broadcast's buffer the hidden state is a view of), the target's index in the shard
+# (int64), the statistics (3 fp32), the scale and the loss (fp32), the loss gradient g (fp32) and, on the
+# ranks it rides to, its copy in the next H's buffer (fp32).
+VOCAB_TOKEN_BYTES = 8 + 8 + 12 + 4 + 4 + 4 + 4
+
+
 def vocab_activation_bytes(model: GPTModel, layout: ParallelLayout) -> tuple[float, float]:
     """(held, transient) bytes of one microbatch's vocabulary passes on the busiest shard (the most rows
-    of one TP rank's part of the vocabulary, split over the p pipeline ranks).
+    of one TP rank's part of the vocabulary, split over the p pipeline ranks), as the runtime holds them
+    (runtime/vocab_h.py; the hidden state in the pipeline dtype, bf16).
 
-    Held from H to G: the logits' gradient (bf16, cast for the weight-gradient GEMM) and the copy of the
-    final hidden state the weight gradient reads (bf16, every token of the microbatch). Alive only inside
-    H: the shard's fp32 logits and softmax (the loss's statistics)."""
+    Held from H to G: the shard's fp32 softmax (the logits' buffer, which G turns into their gradient in
+    place), the final hidden state G reads (bf16, every token of the microbatch) and the per-token tensors
+    (:data:`VOCAB_TOKEN_BYTES`). The reduce's fp32 send buffer of the ranks other than the last stage's is
+    not per microbatch (:func:`vocab_send_bytes`). Alive only inside a pass: in H the bf16 logits before
+    their fp32 copy, then the bf16 softmax the hidden gradient's GEMM reads and the target rows (fp32 and
+    bf16, t x h); in G the bf16 logits' gradient and the bf16 [rows, hidden] weight gradient before it is
+    added into fp32 ``main_grad``: the larger of the two."""
     tokens = layout.micro_batch * model.seq_length / layout.cp
     rows = shard_sizes(-(-model.padded_vocab // layout.tp), layout.pp)[0]
-    return 2.0 * tokens * rows + 2.0 * tokens * model.hidden, 8.0 * tokens * rows
+    held = 4.0 * tokens * rows + 2.0 * tokens * model.hidden + VOCAB_TOKEN_BYTES * tokens
+    return held, 2.0 * tokens * rows + max(6.0 * tokens * model.hidden, 2.0 * rows * model.hidden)
+
+
+def vocab_send_bytes(model: GPTModel, layout: ParallelLayout) -> float:
+    """The fp32 [tokens, hidden] part of the hidden gradient a rank other than the last stage's sends in its
+    H's reduce, which it holds until the reduce is waited: at its next H or at G(k), whichever comes first
+    (:func:`..schedules.core.vocab_embedding.send_events`; at most one at a time)."""
+    return 4.0 * layout.micro_batch * model.seq_length / layout.cp * model.hidden
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,7 @@ class ActivationModel:
     # embedding (or its gradient) on the first stage's device, one microbatch's tokens on every device
     vocab_embedding: float = 0.0
     vocab_tokens: float = 0.0
+    vocab_send: float = 0.0  # the reduce's send buffer of a device other than the last stage's (one at most)
 
 
 def activation_model(model: GPTModel, layout: ParallelLayout, num_stages: int, flash_attention: bool,
@@ -162,7 +184,8 @@ def activation_model(model: GPTModel, layout: ParallelLayout, num_stages: int, f
         return ActivationModel(tuple(sizes), b_release, transient)
     held, inside = vocab_activation_bytes(model, layout)
     embedding, token_bytes = vocab_embedding_bytes(model, layout)
-    return ActivationModel(tuple(sizes), b_release, transient, held, inside, embedding, token_bytes)
+    return ActivationModel(tuple(sizes), b_release, transient, held, inside, embedding, token_bytes,
+                           vocab_send_bytes(model, layout))
 
 
 def vocab_embedding_bytes(model: GPTModel, layout: ParallelLayout) -> tuple[float, float]:
@@ -196,6 +219,8 @@ def activation_peaks(result: SimulationResult, acts: ActivationModel) -> tuple[f
             events[interval.device].append((interval.end, 0, -size * (1.0 - acts.b_release)))
     if result.schedule.vocab_parallel and (acts.vocab_embedding or acts.vocab_tokens):
         _embedding_buffer_events(result, acts, events)
+    if result.schedule.vocab_parallel and acts.vocab_send:
+        _send_buffer_events(result, acts, events)
     transient = max(acts.transient, acts.vocab_transient if result.schedule.vocab_parallel else 0.0)
     peaks = []
     for device_events in events:
@@ -205,6 +230,16 @@ def activation_peaks(result: SimulationResult, acts: ActivationModel) -> tuple[f
             peak = max(peak, level)
         peaks.append(peak + transient)
     return tuple(peaks)
+
+
+def _send_buffer_events(result: SimulationResult, acts: ActivationModel, events) -> None:
+    """The reduce's send buffers (:func:`~..schedules.core.vocab_embedding.send_events`) as timed events."""
+    schedule = result.schedule
+    last = schedule.placement.device_of(schedule.placement.num_stages - 1)
+    for device, (program, changes) in enumerate(zip(schedule.programs, send_events(schedule.programs, last))):
+        for index, change in changes:
+            events[device].append((result.timeline[program[index]].start, 1 if change > 0 else 0,
+                                   change * acts.vocab_send))
 
 
 def _embedding_buffer_events(result: SimulationResult, acts: ActivationModel, events) -> None:

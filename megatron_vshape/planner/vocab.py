@@ -26,9 +26,11 @@ Memory: the first stage's device holds a few microbatches' embeddings and gradie
 along the simulated timeline by :func:`.memory.activation_peaks`, as the simulator's ledger counts them).
 
 Memory. ``VocabWork.memory`` is what one microbatch holds from H to G over the whole vocabulary (p
-shards' logit gradients and hidden-state copies: :func:`.memory.vocab_activation_bytes`), in units of one
-V chunk's F activation; the planner's byte count of the same (``ActivationModel.vocab_held``) is what its
-memory estimate uses.
+shards' fp32 softmax, hidden-state copies and per-token tensors, as the runtime holds them:
+:func:`.memory.vocab_activation_bytes`), in units of one V chunk's F activation; the planner's byte count of the
+same (``ActivationModel.vocab_held``) is what its memory estimate uses, with the reduce's send buffer of every
+device but the last stage's (one at a time: ``ActivationModel.vocab_send``, from each H to the next H or its G),
+which the simulator's ledger (per pass, per microbatch) leaves out.
 """
 
 from __future__ import annotations

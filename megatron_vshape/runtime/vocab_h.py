@@ -11,7 +11,10 @@ Its collectives go on the rank's vocabulary :class:`~.comm_queue.CommQueue`, in 
    hidden gradient) while it runs; waited, then the loss and the softmax (``vocab_parallel``).
 3. **reduce** (training): this rank's part of the hidden gradient per unit loss gradient (fp32), summed
    onto the last stage's rank: a reduce, as only that rank needs it. No rank waits for the loss function
-   before it; the last stage multiplies the sum by its loss gradient itself.
+   before it; the last stage multiplies the sum by its loss gradient itself. The other ranks keep the part
+   (the reduce's send buffer, fp32 [tokens, hidden]) until the reduce is waited: at their next H, once its
+   broadcast is posted (the last stage's rank waited the reduce before that broadcast), or at G(k) where
+   that comes first; never both its H's and the next H's at once.
 4. **g** (training): the loss gradient d(objective)/d(per-token loss) from the last stage's rank, after its
    loss function ran. Only G(k) needs it (the weight gradient). Where every other rank runs G(k) after the
    next H (``schedules/lowering/loss_grads.py``), g(k) rides in that H's packed broadcast, after the labels
@@ -20,7 +23,8 @@ Its collectives go on the rank's vocabulary :class:`~.comm_queue.CommQueue`, in 
 
 So the ranks meet once per microbatch (steps 1 and 2: the all-gather needs every rank's logits), and
 every other collective is posted and waited only where its result is needed: the last stage's rank waits
-for the reduce before its B, every rank waits for g (and, on the others, for its reduce's send) in G(k).
+for the reduce before its B, every rank waits for g in G(k), and the others for their reduce's send at
+their next H (or at G(k) where that comes first).
 No step reads a tensor back to the host (no ``nonzero``).
 """
 
@@ -43,8 +47,18 @@ class HeldForG:
 
     out: vp.OutputState  # this rank's softmax (fp32) and the hidden state
     grad_loss: torch.Tensor  # [tokens] fp32, arriving (``pending``)
-    pending: tuple[Pending, ...]  # g's broadcast, and on the other ranks their reduce's send
+    pending: tuple[Pending, ...]  # g's broadcast (where it has one of its own)
     nbytes: int  # what this holds, for the [vshape] line's peak
+    # On the other ranks: their reduce's send (the fp32 [tokens, hidden] part, kept alive by the pending
+    # collective) and its bytes, until it is waited: at the next H (:meth:`HPass._release_sends`) or at G(k),
+    # whichever this rank runs first.
+    send: Pending | None = None
+    send_bytes: int = 0
+
+    def release_send(self, wait: Callable[[Pending], None]) -> None:
+        if self.send is not None:
+            wait(self.send)
+            self.send, self.nbytes, self.send_bytes = None, self.nbytes - self.send_bytes, 0
 
 
 class HPass:
@@ -109,12 +123,12 @@ class HPass:
         if microbatch in self.carried:  # g goes (or, elsewhere, arrives) in the next H's broadcast
             if self.holder:
                 self.outgoing[microbatch] = g
-            pending = () if self.holder else (reduced,)
+            pending = ()
         else:
-            sent = self.queue.post(lambda: dist.broadcast(g, src=self._root(), group=pp, async_op=True), (g,))
-            pending = (sent,) if self.holder else (sent, reduced)
-        nbytes = out.probs.nbytes + out.hidden.nbytes + g.nbytes + (0 if self.holder else partial.nbytes)
-        self.held[microbatch] = HeldForG(out, g, pending, nbytes)
+            pending = (self.queue.post(lambda: dist.broadcast(g, src=self._root(), group=pp, async_op=True), (g,)),)
+        send_bytes = 0 if self.holder else partial.nbytes
+        nbytes = out.probs.nbytes + out.hidden.nbytes + g.nbytes + send_bytes
+        self.held[microbatch] = HeldForG(out, g, pending, nbytes, None if self.holder else reduced, send_bytes)
         if not self.holder:
             return None
         self._wait(reduced)
@@ -125,6 +139,7 @@ class HPass:
     def weight_grad(self, microbatch: int) -> None:
         """G(k): wait for the loss gradient, then add this rank's output-layer weight gradient."""
         held = self.held.pop(microbatch)
+        held.release_send(self._wait)
         for pending in held.pending:
             self._wait(pending)
         weight = self.layers.output_weight
@@ -162,11 +177,20 @@ class HPass:
         arrived = self.queue.post(lambda: dist.broadcast(packed, src=self._root(), group=self.layers.pp_group,
                                                          async_op=True), (packed,))
         if not self.holder:
+            self._release_sends()
             self._wait(arrived)  # the holder reads its own copy; the send finishes behind it
             if rider is not None:
                 self.held[rider].grad_loss.copy_(packed[label_elems:label_elems + g_elems].view(torch.float32))
         start = label_elems + g_elems
         return packed[start:].view(s, b, h), packed[:label_elems].view(torch.long).view(b, s)
+
+    def _release_sends(self) -> None:
+        """The other ranks' earlier reduces' sends, waited and let go at this H, before its own is made: the
+        last stage's rank waited each of those reduces in its H, before this H's broadcast, so the wait costs
+        nothing here (its collective is done or finishing; a wait in G(k), after this H, kept the fp32
+        [tokens, hidden] buffer alive one H longer)."""
+        for held in self.held.values():
+            held.release_send(self._wait)
 
     def _post_gather(self, stats: torch.Tensor) -> tuple[Pending, list[torch.Tensor]]:
         """Every rank's statistics: over TP (blocking: the last stage's TP ranks hold the same hidden state, so

@@ -142,3 +142,27 @@ def buffer_events(programs: Sequence[Sequence[Action]], first_device: int,
         events.sort(key=lambda e: (e.index, e.at_end))
         out.append(tuple(events))
     return tuple(out)
+
+
+def send_events(programs: Sequence[Sequence[Action]], last_device: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per device, (program index, change) of the hidden gradient's send buffers a training call's H passes
+    leave (runtime/vocab_h.py): every device but the last stage's (``last_device``, which receives the reduce)
+    makes one at each H and lets it go once its reduce is waited, at the start of its next H (before that H
+    makes its own) or at the start of G(k), whichever comes first; so it holds one at most. At the H's index
+    the change is its own buffer less the ones it lets go."""
+    out = []
+    for device, program in enumerate(programs):
+        changes: list[tuple[int, int]] = []
+        if device != last_device:
+            outstanding: set[int] = set()
+            for index, action in enumerate(program):
+                if action.kind is VocabKind.H:
+                    change = 1 - len(outstanding)
+                    outstanding = {action.microbatch}
+                    if change:
+                        changes.append((index, change))
+                elif action.kind is VocabKind.G and action.microbatch in outstanding:
+                    outstanding.discard(action.microbatch)
+                    changes.append((index, -1))
+        out.append(tuple(changes))
+    return tuple(out)

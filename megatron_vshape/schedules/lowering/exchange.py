@@ -389,6 +389,7 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
     passes = 0
     training = any(step.action.kind is VocabKind.G for step in plan.steps)
     waited_in_g: dict[int, tuple[int, ...]] = {}  # microbatch -> H's collectives its G waits for
+    unsent: dict[int, int] = {}  # the other ranks: microbatch -> its reduce, until its send buffer is let go
     vocab = any(step.action.kind is VocabKind.H for step in plan.steps)
     if vocab:
         embedding.slot(ops)  # slot 0: in the runtime's prologue, before any of this program's operations
@@ -425,12 +426,14 @@ def _emit(rank, sequence, batches, plan: DevicePlan, sends, slack: int, eager_wa
             if action.kind is VocabKind.H:
                 embedding.slot(ops)
                 waited_in_g[action.microbatch] = _emit_h(ops, event.b, action.microbatch, rank == holder, training,
-                                                         num_ranks, carried or {})
+                                                         num_ranks, carried or {}, unsent)
             else:
                 if vocab and action.kind is Kind.F and action.stage == 0:
                     ops.append(Op(OpKind.WAIT, index=embedding.lookups.pop(action.microbatch)))
-                for position in waited_in_g.pop(action.microbatch, ()) if action.kind is VocabKind.G else ():
-                    ops.append(Op(OpKind.WAIT, index=position))
+                if action.kind is VocabKind.G:
+                    send = unsent.pop(action.microbatch, None)
+                    for position in (() if send is None else (send,)) + waited_in_g.pop(action.microbatch, ()):
+                        ops.append(Op(OpKind.WAIT, index=position))
                 if expert_layers:
                     _emit_a2a(ops, rank, plan, event.b, expert_layers)
                 ops.append(Op(OpKind.COMPUTE, index=event.b))
@@ -530,14 +533,16 @@ class _EmbeddingOps:
 
 
 def _emit_h(ops: list[Op], step: int, microbatch: int, holder: bool, training: bool, num_ranks: int,
-            carried: dict[int, int]) -> tuple[int, ...]:
+            carried: dict[int, int], unsent: dict[int, int]) -> tuple[int, ...]:
     """H(k)'s operations on one rank, as runtime/vocab_h.py issues them: the packed hidden state and labels,
     with the loss gradient of the microbatch whose g rides with it (``carried``, loss_grads.py) (waited at
     once, but not by the last stage's rank, which sends them), the compute, the statistics' all-gather
     (waited at once: the rendezvous), and when training the hidden gradient's reduce (waited by the last
     stage's rank before its B) and, where g(k) does not ride with the next H, the loss gradient's broadcast.
-    Returns the positions G(k) waits for: the broadcast, and on the other ranks their reduce's send (a
-    carried g arrived in the next H, which every other rank waited for before its G(k))."""
+    Returns the positions G(k) waits for: the broadcast (a carried g arrived in the next H, which every other
+    rank waited for before its G(k)). ``unsent``: on the other ranks, microbatch -> its reduce's position, not
+    yet waited: each is waited at the next H, once its broadcast is posted (the send buffer let go), or at
+    G(k) where that comes first; this H's is added."""
     whole = Communicator(PIPELINE_GROUP, 0, num_ranks - 1)
 
     def post(what: str) -> int:
@@ -547,19 +552,22 @@ def _emit_h(ops: list[Op], step: int, microbatch: int, holder: bool, training: b
     rides = [k for k, n in carried.items() if n == microbatch]
     arrived = post("hidden state and labels" + "".join(f", loss gradient of {k}" for k in rides))
     if not holder:
+        for position in unsent.values():
+            ops.append(Op(OpKind.WAIT, index=position))
+        unsent.clear()
         ops.append(Op(OpKind.WAIT, index=arrived))
     ops.append(Op(OpKind.COMPUTE, index=step))
     ops.append(Op(OpKind.WAIT, index=post("statistics")))
     if not training:
         return ()
     reduced = post("hidden gradient")
+    if not holder:
+        unsent[microbatch] = reduced
     if microbatch in carried:
         if holder:
             ops.append(Op(OpKind.WAIT, index=reduced))
-            return ()
-        return (reduced,)
+        return ()
     sent = post("loss gradient")
     if holder:
         ops.append(Op(OpKind.WAIT, index=reduced))
-        return (sent,)
-    return (sent, reduced)
+    return (sent,)
