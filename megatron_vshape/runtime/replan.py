@@ -42,7 +42,7 @@ import hashlib
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -159,8 +159,9 @@ class Replan:
         verb = "switched to the rebuilt schedule" if self.switched else "kept the running schedule"
         load = self.measured_seconds.get("load", -1.0)
         loading = f" (batch loading {1000 * load:.3g} ms per F, not in f)" if load > 0 else ""
+        a2a = f",a2a={c.a2a:.3g}" if c.a2a > 0 else ""  # not measured: the pairs are placed for the given one
         return (f"re-planned {schedule_name} after iteration {self.after_iteration} from measured costs "
-                f"f={c.f:.3g},b={c.b:.3g},w={c.w:.3g},comm={c.comm:.3g}: predicted bubble "
+                f"f={c.f:.3g},b={c.b:.3g},w={c.w:.3g},comm={c.comm:.3g}{a2a}: predicted bubble "
                 f"{100 * self.bubble_before:.1f}% -> {100 * self.bubble_after:.1f}%, {verb} "
                 f"(schedule {self.fingerprint}){loading}")
 
@@ -251,13 +252,17 @@ def typical_chunk(stages) -> dict[str, float]:
 
 
 def relative_costs(seconds: dict[str, float], fallback: Costs) -> Costs:
-    """Costs with f = 1; B or W unseen everywhere (no deferred W ran) keep ``fallback``'s ratio."""
+    """``fallback`` with the measured f (= 1), b, w and comm; B or W unseen everywhere (no deferred W ran) keep
+    ``fallback``'s ratio. What the clock does not measure stays ``fallback``'s, all of it relative to F: the
+    layout's per-stage multipliers, the vocabulary passes' work (``--pipeline-vocab-parallel``: a schedule
+    rebuilt without it has no H or G to run) and the all-to-all the pairs hide
+    (``--overlap-moe-expert-parallel-comm``: without it the rebuilt schedule would drop its pairs)."""
     f = seconds["f"]
     if f <= 0:
         return fallback
     b = seconds["b"] / f if seconds["b"] > 0 else fallback.b / fallback.f
     w = seconds["w"] / f if seconds["w"] > 0 else fallback.w / fallback.f
-    return Costs(f=1.0, b=b, w=w, comm=max(seconds["comm"], 0.0) / f)
+    return replace(fallback, f=1.0, b=b, w=w, comm=max(seconds["comm"], 0.0) / f)
 
 
 def with_measured_stages(costs: Costs, seconds: dict[str, float], stage_seconds, base: Costs) -> Costs:

@@ -8,9 +8,11 @@ The default tier runs V-ZB; ``-m extended`` runs V-Half, V-Min and v-auto too.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_real_client import client_dir  # noqa: F401 (a fixture)
-from test_recipes import train
+from test_recipes import losses_of, train, train_output
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -25,6 +27,7 @@ REFERENCE = [*FLAGS, "--num-virtual-stages-per-pipeline-rank", "2"]
 # 2.6e-5 apart (the weight gradients of bf16 passes summed in fp32 in another order under a deferred W, and the
 # router's top-2 choice moving with a rounding): the feature matrix's bf16 tolerance (docs/recipes.md).
 TOLERANCE = 1e-4
+REPLANNED = re.compile(r"\[vshape\] rank \d+: re-planned \S+ after iteration 2 from measured costs \S*,a2a=([0-9.]+): ")
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +36,12 @@ def reference(mc19_python, client_dir) -> dict[int, float]:  # noqa: F811
     return train(mc19_python, client_dir, "interleaved-1f1b", REFERENCE)
 
 
-def _check(mc19_python, client_dir, reference, schedule):  # noqa: F811
-    losses = train(mc19_python, client_dir, schedule, FLAGS)
+def _check(mc19_python, client_dir, reference, schedule, *extra):  # noqa: F811
+    output = train_output(mc19_python, client_dir, schedule, [*FLAGS, *extra])
+    losses = losses_of(output)
     for i, want in reference.items():
         assert abs(losses[i] - want) <= TOLERANCE * abs(want), (schedule, i, want, losses[i], reference, losses)
-    return losses
+    return output
 
 
 @pytest.mark.timeout(900)
@@ -50,4 +54,10 @@ def test_v_zb_trains_with_megatrons_combined_1f1b_losses(mc19_python, client_dir
 @pytest.mark.parametrize("schedule", ["v-half", "v-min", "v-auto"])
 def test_every_v_schedule_trains_with_megatrons_combined_1f1b_losses(mc19_python, client_dir, reference,  # noqa: F811
                                                                     schedule):
-    _check(mc19_python, client_dir, reference, schedule)
+    # --pipeline-costs auto: re-planned after iteration 2 (iteration 3 runs the rebuilt schedule), still with pairs
+    # placed for the all-to-all of 1 x F (the rebuild once dropped it, and with it every pair)
+    output = _check(mc19_python, client_dir, reference, schedule, "--pipeline-costs", "auto",
+                    "--pipeline-costs-iters", "1")
+    replanned = REPLANNED.findall(output)
+    assert len(replanned) == 4 and set(replanned) == {"1"}, output[-3000:]
+

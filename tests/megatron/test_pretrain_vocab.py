@@ -29,6 +29,8 @@ TINY = ("--cpu --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 
         "--train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
         "--log-interval 1 --eval-interval 5 --eval-iters 1").split()
 FLAG = "--pipeline-vocab-parallel"
+REPLAN_AFTER_2 = ("--pipeline-costs", "auto", "--pipeline-costs-iters", "1")
+REPLANNED = re.compile(r"\[vshape\] rank \d+: re-planned v-half after iteration 2 ")
 TIMEOUT = 240
 VOCAB_LINE = re.compile(r"vocabulary passes MiB per pipeline rank, held from H to G: ([0-9., ]+); "
                         r"the embedding's buffers \(embeddings and gradients on the first stage, tokens, data read "
@@ -83,7 +85,10 @@ def runs(mc19_python, client_script, megatron_main, tmp_path_factory):
     plain, sharded = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("sharded")
     save = ("--save-interval", "3")
     out = {"1f1b": _train(mc19_python, client_script, "1f1b", "--save", str(plain), *save)}
-    out["v-half+vp"] = _train(mc19_python, client_script, "v-half", FLAG, "--save", str(sharded), *save)
+    # re-planned after iteration 2 from measured costs (iterations 3-5 run the rebuilt schedule): the rebuild keeps
+    # the vocabulary passes (it once dropped them and stopped the run)
+    out["v-half+vp"] = _train(mc19_python, client_script, "v-half", FLAG, "--save", str(sharded), *save,
+                              *REPLAN_AFTER_2)
     out["v-zb-from-vp"] = _train(mc19_python, client_script, "v-zb", "--load", str(sharded), "--ckpt-step", "3")
     out["zb-1p-vp-from-plain"] = _train(mc19_python, megatron_main / "pretrain_gpt.py", "zb-1p", FLAG,
                                         "--load", str(plain), "--ckpt-step", "3")
@@ -95,6 +100,7 @@ def runs(mc19_python, client_script, megatron_main, tmp_path_factory):
 def test_v_half_with_the_flag_gives_megatrons_1f1b_losses(runs):
     _assert_same(runs["1f1b"], runs["v-half+vp"])
     assert _losses(runs["1f1b"])[5] < _losses(runs["1f1b"])[1], "training must make progress"
+    assert len(REPLANNED.findall(runs["v-half+vp"])) == 2, runs["v-half+vp"][-3000:]  # both ranks, then 3 more
     # the shards are there: every rank's first chunk holds its rows (Megatron's DDP lists the parameter)
     assert runs["v-half+vp"].count("vocab_parallel.embedding_weight") == 2
     # the [vshape] line reports what the passes hold: from H to G on every rank, the embedding's buffers

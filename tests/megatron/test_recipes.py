@@ -74,11 +74,20 @@ RUN_TIMEOUT = 300
 
 
 def train(python: str, client, schedule: str, flags: list[str]) -> dict[int, float]:
+    return losses_of(train_output(python, client, schedule, flags))
+
+
+def train_output(python: str, client, schedule: str, flags: list[str]) -> str:
+    """The ranks' output of a 3-iteration run that must succeed."""
     result = launch_ranks(python, 4, ["-m", "megatron_vshape.run", str(client / "pretrain_gpt.py")],
                           ["--pipeline-schedule", schedule, *TINY, *flags], timeout=RUN_TIMEOUT)
     assert result.returncode == 0, f"{schedule} exited {result.returncode}:\n{result.stdout[-5000:]}"
-    losses = {int(i): float(v) for i, v in LOSS.findall(result.stdout)}
-    assert sorted(losses) == [1, 2, 3], result.stdout[-3000:]
+    return result.stdout
+
+
+def losses_of(output: str) -> dict[int, float]:
+    losses = {int(i): float(v) for i, v in LOSS.findall(output)}
+    assert sorted(losses) == [1, 2, 3], output[-3000:]
     return losses
 
 

@@ -17,7 +17,7 @@ from megatron_vshape.runtime.replan import (
 )
 from megatron_vshape.runtime.timeline import simulated_idle
 from megatron_vshape.schedules.core.actions import Kind
-from megatron_vshape.schedules.core.schedule import Costs, StageWork
+from megatron_vshape.schedules.core.schedule import Costs, StageWork, VocabWork
 from megatron_vshape.schedules.core.simulator import simulate
 from megatron_vshape.schedules.generators.registry import get_schedule
 
@@ -68,6 +68,22 @@ def test_batch_loading_is_timed_apart_from_the_forward():
 def test_relative_costs_scale_to_f_and_keep_the_fallback_ratio_when_unseen():
     costs = relative_costs({"f": 2.0, "b": 2.2, "w": -1.0, "comm": 0.1}, Costs(f=1, b=1, w=0.9))
     assert (costs.f, round(costs.b, 9), costs.w, round(costs.comm, 9)) == (1.0, 1.1, 0.9, 0.05)
+
+
+def test_relative_costs_keep_what_the_clock_does_not_measure_so_the_rebuilt_schedule_runs_the_same_passes():
+    """--pipeline-costs auto with --pipeline-vocab-parallel rebuilt a schedule without H and G passes and failed in
+    ``decide`` (ScheduleError); with --overlap-moe-expert-parallel-comm it dropped the pairs; under an uneven
+    layout it dropped the layout's per-stage work."""
+    stages = (StageWork(f=1.2, b=1.1, w=1.0, memory=1.3), StageWork()) * 2
+    start = Costs(vocab=VocabWork(0.9, 0.9, 0.9, 0.5), a2a=0.6).with_stages(stages)
+    costs = relative_costs({"f": 2.0, "b": 2.4, "w": 1.6, "comm": 0.2}, start)
+    assert (costs.f, costs.b, costs.w, costs.comm) == (1.0, 1.2, 0.8, 0.1)
+    assert (costs.vocab, costs.a2a, costs.stages) == (start.vocab, start.a2a, start.stages)
+    current = get_schedule("v-half", 2, 4, start)
+    replan, chosen = decide(current, get_schedule("v-half", 2, 4, costs), costs, 4, {})
+    assert chosen.vocab_parallel and replan.bubble_before >= 0
+    paired = Costs(a2a=1.0)
+    assert get_schedule("v-zb", 4, 16, relative_costs({"f": 1.0, "b": 1.0, "w": 1.0, "comm": 0.0}, paired)).pairs
 
 
 def test_cpu_clock_divides_by_the_layer_scale():
