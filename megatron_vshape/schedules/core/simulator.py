@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import accumulate, chain, repeat
+from operator import itemgetter
 
 from .actions import Action, Kind
 from .gc_pause import without_gc
@@ -103,7 +105,7 @@ def simulate(
     buffers = _vocab_buffer_events(schedule, costs, times)
     mem_timelines = tuple(_memory_timeline(times, program, deltas, extra)
                           for program, extra in zip(times.programs, buffers))
-    peaks = tuple(max((v for _, v in tl), default=0.0) for tl in mem_timelines)
+    peaks = tuple(max(map(_level_of, tl), default=0.0) for tl in mem_timelines)
     timeline = Timeline(times, schedule.programs)
     return SimulationResult(schedule, costs, timeline, makespan, most_work, bubble, peaks, mem_timelines, tuple(work),
                             exposed)
@@ -254,31 +256,22 @@ def _memory_timeline(times: ProgramTimes, program: list[int], deltas,
     """
     per_kind = times.ids.per_kind
     m = times.ids.num_microbatches
-
-    def allocates(x: int) -> bool:
-        return x < per_kind or 3 * per_kind <= x < 4 * per_kind
-
-    allocs = [(times.start[x], deltas[x // m]) for x in program if allocates(x)]
-    releases = [(times.end[x], deltas[x // m]) for x in program if not allocates(x)]
+    start, end = times.start, times.end
+    # F and H allocate (ids below per_kind, or in [3, 4) x per_kind); the test is inline, not a function: this
+    # runs for every pass of every simulation.
+    h_from, h_to = 3 * per_kind, 4 * per_kind
+    allocs = [(start[x], deltas[x // m]) for x in program if x < per_kind or h_from <= x < h_to]
+    releases = [(end[x], deltas[x // m]) for x in program if not (x < per_kind or h_from <= x < h_to)]
     releases = [event for event in releases if event[1]]
     if extra:
         allocs = sorted(allocs + [e for e in extra if e[1] > 0], key=lambda e: e[0])
         releases = sorted(releases + [e for e in extra if e[1] < 0], key=lambda e: e[0])
-    # Merge (releases first at equal times), then the running level.
-    merged: list[tuple[float, float]] = []
-    i, j, n_allocs, n_releases = 0, 0, len(allocs), len(releases)
-    while i < n_allocs and j < n_releases:
-        if releases[j][0] <= allocs[i][0]:
-            merged.append(releases[j])
-            j += 1
-        else:
-            merged.append(allocs[i])
-            i += 1
-    merged.extend(allocs[i:])
-    merged.extend(releases[j:])
-    out = [(0.0, 0.0)]
-    level = 0.0
-    for time, delta in merged:
-        level += delta
-        out.append((time, round(level, 9)))
-    return tuple(out)
+    # Merge (releases first at equal times: a stable sort of the releases, then the allocations, both in time
+    # order already, is that merge, done in C), then the running level (accumulated from 0.0 in the same order
+    # as a loop would, rounded alike).
+    merged = sorted(releases + allocs, key=_time_of)
+    levels = map(round, accumulate([delta for _, delta in merged], initial=0.0), repeat(9))
+    return tuple(zip(chain((0.0,), [time for time, _ in merged]), levels))
+
+
+_time_of, _level_of = itemgetter(0), itemgetter(1)

@@ -23,6 +23,8 @@ import math
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 from .actions import Action, Kind, VocabKind
 from .ready import UNSET, input_table
@@ -32,11 +34,18 @@ KINDS = (Kind.F, Kind.B, Kind.W)
 ALL_KINDS = (*KINDS, VocabKind.H, VocabKind.G)  # flat-id order with vocabulary passes
 
 
-@dataclass(frozen=True)
-class Interval:
+class Interval(NamedTuple):
+    """Where and when one pass ran. A named tuple, not a dataclass: the planner's memory count reads every
+    pass's interval of every simulated plan (millions), and a frozen dataclass's constructor was a tenth of
+    `vshape plan`'s time (issue 44)."""
+
     device: int
     start: float
     end: float
+
+
+# Interval from a (device, start, end) tuple without the named tuple's Python-level __new__.
+_new_interval = partial(tuple.__new__, Interval)
 
 
 class PassIds:
@@ -260,8 +269,12 @@ def _ids_of(program, ids: PassIds) -> list[int]:
     s_count, m = ids.num_stages, ids.num_microbatches
     kind_index = KIND_INDEX
     out = [(kind_index[kind] * s_count + stage) * m + mb for kind, stage, mb in program]
-    if out and not all(0 <= stage < s_count and 0 <= mb < m for _, stage, mb in program):
-        out = [ids.of(action) for action in program]  # rare: foreign passes get -1 (stuck)
+    if out:
+        # Every stage and microbatch in range (min and max over the columns: a generator over the passes
+        # was a tenth of the simulator's time); else, rarely, foreign passes get -1 (stuck).
+        _, stages, microbatches = zip(*program)
+        if not (0 <= min(stages) and max(stages) < s_count and 0 <= min(microbatches) and max(microbatches) < m):
+            out = [ids.of(action) for action in program]
     return out
 
 
@@ -283,7 +296,7 @@ class Timeline(Mapping):
         device = self._device_of(x) if x >= 0 else None
         if device is None or self._times.end[x] < 0:
             raise KeyError(action)
-        return Interval(device, self._times.start[x], self._times.end[x])
+        return _new_interval((device, self._times.start[x], self._times.end[x]))
 
     def __iter__(self) -> Iterator[Action]:
         for program in self._programs:
@@ -295,7 +308,8 @@ class Timeline(Mapping):
     def items(self) -> list[tuple[Action, Interval]]:
         times, out = self._times, []
         for device, (program, id_program) in enumerate(zip(self._programs, times.programs)):
-            out.extend((action, Interval(device, times.start[x], times.end[x])) for action, x in zip(program, id_program))
+            start, end = times.start, times.end
+            out.extend([(action, _new_interval((device, start[x], end[x]))) for action, x in zip(program, id_program)])
         return out
 
     def values(self) -> list[Interval]:

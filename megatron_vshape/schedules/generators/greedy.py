@@ -18,6 +18,7 @@ import enum
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from ..core.actions import Action, Kind
 from ..core.inputs import EPS as _EPS
@@ -103,29 +104,31 @@ def greedy_schedule(
     programs: list[list[Action]] = [[] for _ in range(num_devices)]
     priority = config.priority
 
-    # Each (kind, stage)'s time, read once per run (the loop below asks for it at every pass).
-    duration = {(kind, stage): costs.of(kind, stage) * scale for kind in KINDS for stage in range(num_stages)}
+    # Each (kind, stage)'s time, read once per run by pass id // microbatches (the loop below asks for it at
+    # every pass).
+    duration = [costs.of(kind, stage) * scale for kind in KINDS for stage in range(num_stages)]
+    push, kind_f, kind_b, kind_w = heapq.heappush, Kind.F, Kind.B, Kind.W
 
     def offer(action: Action, x: int) -> None:
         """Offer ``action`` (pass id ``x``) to its device once every input has ended."""
-        device = stage_device[action.stage]
+        device = stage_device[action[1]]
         ready = ready_of(x, end_time)  # >= 0: every input has ended
-        heapq.heappush(heaps[device], (priority(action), action, ready))
-        heapq.heappush(events, (ready, device))
+        push(heaps[device], (priority(action), action, ready))
+        push(events, (ready, device))
 
-    def fed(action: Action, x: int) -> None:
-        """One input of ``action`` has ended: offer it once all have (the data dependencies of
-        core.dependencies, read by count: a B before the last stage has two inputs, every other pass one)."""
-        if action.kind is Kind.B and action.stage < num_stages - 1:
-            left = waiting.pop(x, 2) - 1
-            if left:
-                waiting[x] = left
-                return
-        offer(action, x)
+    def fed_twice(action: Action, x: int) -> None:
+        """One input of ``action`` (a B before the last stage: two inputs, core.dependencies) has ended: offer it
+        once both have. Every other pass has one input and is offered at once."""
+        left = waiting.pop(x, 2) - 1
+        if left:
+            waiting[x] = left
+        else:
+            offer(action, x)
 
     # Stage-0 forwards have no inputs; offering them one at a time (in microbatch order) keeps
     # the first device's heap small instead of holding every microbatch from the start.
     offer(Action(Kind.F, 0, 0), 0)
+    last_stage = num_stages - 1
     remaining = 3 * num_stages * num_microbatches
     now = 0.0
     while remaining:
@@ -136,30 +139,38 @@ def greedy_schedule(
             if chosen is None:
                 continue
             kind, stage, microbatch = chosen
-            x = ids.of(chosen)
-            end = now + duration[kind, stage]
+            x = (_ROW[kind] * num_stages + stage) * m + microbatch  # ids.of(chosen), in range here
+            end = now + duration[x // m]
             end_time[x] = end
             free_at[device] = end
-            heapq.heappush(events, (end, device))
+            push(events, (end, device))
             programs[device].append(chosen)
             remaining -= 1
             _account(chosen, device, state)
             # What ``chosen`` feeds (core.dependencies, read backwards): an F the next stage's F and its own B,
             # a B its W and the previous stage's B; a W nothing.
-            if kind is Kind.F:
+            if kind is kind_f:
                 if stage == 0 and microbatch + 1 < num_microbatches:
-                    offer(Action(Kind.F, 0, microbatch + 1), x + 1)
-                if stage + 1 < num_stages:
-                    fed(Action(Kind.F, stage + 1, microbatch), x + m)
-                fed(Action(Kind.B, stage, microbatch), x + per_kind)
-            elif kind is Kind.B:
-                fed(Action(Kind.W, stage, microbatch), x + per_kind)
+                    offer(_new_action((kind_f, 0, microbatch + 1)), x + 1)
+                if stage < last_stage:
+                    offer(_new_action((kind_f, stage + 1, microbatch)), x + m)
+                    fed_twice(_new_action((kind_b, stage, microbatch)), x + per_kind)
+                else:
+                    offer(_new_action((kind_b, stage, microbatch)), x + per_kind)
+            elif kind is kind_b:
+                offer(_new_action((kind_w, stage, microbatch)), x + per_kind)
                 if stage > 0:
-                    fed(Action(Kind.B, stage - 1, microbatch), x - m)
+                    fed_twice(_new_action((kind_b, stage - 1, microbatch)), x - m)
         now = events[0][0] if events else None
         if now is None and remaining:
             raise ScheduleError(f"{name}: greedy scheduler stalled (memory caps {list(config.memory_caps)} too low)")
     return Schedule(name, placement, num_microbatches, tuple(tuple(p) for p in programs))
+
+
+# Pass id rows of the kinds (timing.KIND_INDEX's), and an Action from a (kind, stage, microbatch) tuple without
+# the named tuple's Python-level __new__ (the loop makes one per pass offered).
+_ROW = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
+_new_action = partial(tuple.__new__, Action)
 
 
 def _pick(heap, now, device, state, config):

@@ -18,7 +18,7 @@ from ..core.inputs import EPS as _EPS
 from ..core.ledger import MemoryLedger
 from ..core.ready import ready_rule
 from ..core.schedule import Costs, MemoryModel, Schedule
-from ..core.timing import UNSET, PassIds
+from ..core.timing import KINDS, UNSET, PassIds
 
 
 def fill_idle(
@@ -40,6 +40,9 @@ def fill_idle(
     remaining = [list(program) for program in schedule.programs]
     # Each pass's flat id and memory change, computed once (the look-ahead reads them again and again).
     remaining_ids = [[ids.of(action) for action in program] for program in remaining]
+    # Each (kind, stage)'s time (``pass_cost``), read per pass id // microbatches (a call per pass cost more).
+    row_cost = [schedule.pass_cost(Action(kind, stage, 0), costs) for kind in KINDS for stage in range(num_stages)]
+    m = schedule.num_microbatches
     remaining_deltas = [[ledger.delta(action.kind, action.stage) for action in program] for program in remaining]
     end_time = [UNSET] * (3 * ids.per_kind)
     ready_of = ready_rule(stage_device, schedule.num_microbatches, costs.comm)
@@ -105,10 +108,10 @@ def fill_idle(
             if index is None:
                 continue
             action = remaining[device].pop(index)
-            remaining_ids[device].pop(index)
+            x = remaining_ids[device].pop(index)
             remaining_deltas[device].pop(index)
-            end = now + schedule.pass_cost(action, costs)
-            end_time[ids.of(action)] = end
+            end = now + row_cost[x // m]
+            end_time[x] = end
             free_at[device] = end
             ledger.apply(device, action.kind, action.stage)
             if first_start[device] is None:
