@@ -123,6 +123,10 @@ class _StageTerms:
         self.logits = 0.0 if vocab_parallel else model.logits_bytes(1, 1)
         self.weights = model.layer_weights(flash_attention)  # per layer, relative to the mean (1.0 when alike)
         self._own: dict[tuple[int, int], list[float]] = {}
+        # works() by layout: the layout search asks for the same layouts' work again and again (scoring, building,
+        # the device bound), and a StageWork checks its fields when made. At most WORKS_KEPT layouts (then
+        # cleared); the tuples are immutable, so sharing them is safe.
+        self._works: dict[tuple[int, ...], tuple[StageWork, ...]] = {}
 
     def own(self, start: int, count: int) -> list[float]:
         found = self._own.get((start, count))
@@ -132,6 +136,14 @@ class _StageTerms:
         return found
 
     def works(self, layers: tuple[int, ...]) -> tuple[StageWork, ...]:
+        found = self._works.get(layers)
+        if found is None:
+            if len(self._works) >= WORKS_KEPT:
+                self._works.clear()
+            found = self._works[layers] = self._made_works(layers)
+        return found
+
+    def _made_works(self, layers: tuple[int, ...]) -> tuple[StageWork, ...]:
         num_stages = len(layers)
         unit = self.model.layers / num_stages
         extras, act, logits = self.extras, self.act, self.logits
@@ -145,6 +157,10 @@ class _StageTerms:
             ratios = [x / unit for x in work] + [memory / (unit * act)]
             out.append(StageWork(*(max(r, MIN_STAGE_WORK) for r in ratios)))
         return tuple(out)
+
+
+# Layouts whose stage work one _StageTerms keeps (a few hundred kB of StageWork at PP 32).
+WORKS_KEPT = 4096
 
 
 @lru_cache(maxsize=16)

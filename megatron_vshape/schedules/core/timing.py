@@ -36,8 +36,8 @@ ALL_KINDS = (*KINDS, VocabKind.H, VocabKind.G)  # flat-id order with vocabulary 
 
 class Interval(NamedTuple):
     """Where and when one pass ran. A named tuple, not a dataclass: the planner's memory count reads every
-    pass's interval of every simulated plan (millions), and a frozen dataclass's constructor was a tenth of
-    `vshape plan`'s time (issue 44)."""
+    pass's interval of every simulated plan (4 million at the 1024-GPU GPT-3 plan, where a frozen dataclass's
+    constructor and the generator around it were about 5 % of the profile: issue 44)."""
 
     device: int
     start: float
@@ -148,6 +148,9 @@ def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple
     first_collective = 3 * per_kind if vocab_shards else len(end)
     end_collective = 4 * per_kind
     arrived: dict[int, list[tuple[int, float, int]]] = {}  # microbatch -> (device, ready, pass id) at its H
+    # The H passes whose device has arrived (each device's H of a microbatch has its own id; a set, not a scan of
+    # ``arrived``: a device queued again while it waits asks once per queueing, d times per rendezvous).
+    waiting_at_h: set[int] = set()
     waiters: dict[int, list[int]] = {}
     horizon = math.inf
     slack = max(durations) + max(max(first_delay), max(second_delay)) if horizon_pass >= 0 else 0.0
@@ -198,9 +201,10 @@ def run_id_programs(id_programs: list[list[int]], ids: PassIds, durations: tuple
                 c += 2
                 continue
             if x >= first_collective and x < end_collective and x != solo_pass:
+                if x in waiting_at_h:
+                    break  # already waiting at this rendezvous (queued again meanwhile)
+                waiting_at_h.add(x)
                 arrivals = arrived.setdefault(x % m, [])
-                if any(entry[0] == device for entry in arrivals):
-                    break  # already waiting at this rendezvous
                 arrivals.append((device, ready, x))
                 if len(arrivals) < vocab_shards:
                     break  # the others are not there yet: the last to arrive releases everyone
@@ -270,8 +274,8 @@ def _ids_of(program, ids: PassIds) -> list[int]:
     kind_index = KIND_INDEX
     out = [(kind_index[kind] * s_count + stage) * m + mb for kind, stage, mb in program]
     if out:
-        # Every stage and microbatch in range (min and max over the columns: a generator over the passes
-        # was a tenth of the simulator's time); else, rarely, foreign passes get -1 (stuck).
+        # Every stage and microbatch in range (min and max over the columns, in C: a generator over the passes
+        # ran 9 million steps in that plan); else, rarely, foreign passes get -1 (stuck).
         _, stages, microbatches = zip(*program)
         if not (0 <= min(stages) and max(stages) < s_count and 0 <= min(microbatches) and max(microbatches) < m):
             out = [ids.of(action) for action in program]

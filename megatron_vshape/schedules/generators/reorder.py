@@ -69,6 +69,8 @@ def fill_idle(
         running = 0.0  # cumulative memory change of the passes a pulled pass would jump over
         worst = 0.0
         earliest = inf
+        # Read once per scan (none of them changes during it; the same sums as written out in the loop).
+        limit, held, cap = now + _EPS, level[device], peaks[device] + _EPS
         for index in range(min(lookahead + 1, len(todo_ids))):
             x = todo_ids[index]
             ready = known[x]
@@ -81,8 +83,8 @@ def fill_idle(
                     else:
                         waits_on[x] = int(-1.0 - ready)
             change = todo_deltas[index]
-            if 0 <= ready <= now + _EPS:
-                if index == 0 or level[device] + change + worst <= peaks[device] + _EPS:
+            if 0 <= ready <= limit:
+                if index == 0 or held + change + worst <= cap:
                     return index
             elif ready >= 0 and ready < earliest:
                 earliest = ready
@@ -99,10 +101,9 @@ def fill_idle(
         return None
 
     while left:
+        limit = now + _EPS
         for device in range(schedule.num_devices):
-            if free_at[device] > now + _EPS or not remaining[device]:
-                continue
-            if now + _EPS < wake[device]:
+            if free_at[device] > limit or not remaining[device] or limit < wake[device]:
                 continue
             index = pick(device)
             if index is None:
