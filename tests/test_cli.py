@@ -313,8 +313,8 @@ def test_plan_progress_above_the_size_threshold(capsys, monkeypatch):
     # A small search (PP 8 only, no layer layouts): the progress lines are what is checked.
     assert cli.main([*PLAN_9_6B, "--gpus", "16", "--schedules", "1f1b,v-half", "--pp", "8", "--no-layouts"]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("vshape plan: searching 1f1b (1/2, up to ") and err[0].endswith("layouts) ...")
-    assert err[-1].startswith("vshape plan: searching v-half (2/2, up to ") and "done in" in err[-1]
+    assert err[0].startswith("vshape plan: searching 2 schedules, 4 rows (up to ") and err[0].endswith(" ...")
+    assert err[-1].startswith("vshape plan: searching 2 schedules, ") and "done in" in err[-1]
 
 
 def test_simulate_reads_the_costs_training_writes(tmp_path, capsys):

@@ -25,6 +25,7 @@ Bad input ends with one line on stderr naming the flag and the fix, exit status 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -53,6 +54,7 @@ from .recipe_plan import (
     header,
     read_inputs,
 )
+from .row_pool import run_all, usable_cpus
 from .rows import PAIRS, VOCAB, row_kinds
 from .search import Grid, ScheduleSearch, layouts, search
 from .vocab import FLAG as VOCAB_FLAG
@@ -132,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"skip the rows with {VOCAB_FLAG} (the vocabulary layers on every pipeline device)")
     s.add_argument("--no-moe-pairs", action="store_true",
                    help=f"skip the rows with {PAIRS_FLAG} (overlapped F&B pairs; MoE models, V schedules)")
+    s.add_argument("--jobs", type=int, metavar="N",
+                   help="processes to search the rows on (default: every usable CPU for a large search, else 1); "
+                        "the answer is the same")
     return p
 
 
@@ -141,7 +146,7 @@ _COUNTS = (
     ("layers", "--layers", 1, 4096), ("hidden", "--hidden", 1, 1 << 18), ("heads", "--heads", 1, 1 << 12),
     ("seq", "--seq", 1, 1 << 22), ("vocab", "--vocab", 1, 1 << 22), ("gpus", "--gpus", 2, 1 << 16),
     ("global_batch", "--global-batch", 1, 1 << 22), ("calibrate_micro_batch", "--calibrate-micro-batch", 1, 1 << 12),
-    ("calibrate_layers", "--calibrate-layers", 1, 4096),
+    ("calibrate_layers", "--calibrate-layers", 1, 4096), ("jobs", "--jobs", 1, 1024),
 )
 _FRACTIONS = (("efficiency", "--efficiency"), ("bandwidth_efficiency", "--bandwidth-efficiency"))
 
@@ -272,39 +277,61 @@ def run(args) -> list[ScheduleSearch]:
         raise UsageError(reason)
     layouts_to_try = len(list(layouts(model, args.gpus, args.global_batch, grid, cost_model.gpu.gpus_per_node)))
     large = layouts_to_try * len(names) > LARGE_SEARCH
-    results = []
-    for index, name in enumerate(names, 1):
-        label = f"searching {name} ({index}/{len(names)}, up to {layouts_to_try} layouts)"
-        with phase(label, large, prefix="vshape plan"):
-            for kind in row_kinds(name, model, not args.no_vocab_parallel, not args.no_moe_pairs):
-                results += search([name], model, cost_model, args.gpus, args.global_batch, grid, args.flash_attention,
-                                  kind.vocab_parallel, kind.pairs)
-    return results
+    rows = [(name, kind) for name in names
+            for kind in row_kinds(name, model, not args.no_vocab_parallel, not args.no_moe_pairs)]
+    pieces = [functools.partial(search, [name], model, cost_model, args.gpus, args.global_batch, grid,
+                                args.flash_attention, kind.vocab_parallel, kind.pairs) for name, kind in rows]
+    jobs = args.jobs = plan_jobs(args, large)  # resolved once: the layout comparisons use it too
+    label = (f"searching {len(names)} schedules, {len(rows)} rows (up to {layouts_to_try} layouts each) on "
+             f"{jobs} process{'es' if jobs > 1 else ''}")
+    with phase(label, large, prefix="vshape plan"):
+        found = run_all(pieces, jobs, [_weight(name, kind) for name, kind in rows])
+    return [result for results in found for result in results]
+
+
+def plan_jobs(args, large: bool) -> int:
+    """``--jobs``, or by default every usable CPU for a large search (a small one is done before the processes
+    would start)."""
+    if args.jobs is not None:
+        return args.jobs
+    return usable_cpus() if large else 1
+
+
+def _weight(name: str, kind) -> float:
+    """A guess of a row's search time, to hand out the heavy rows first: the V families build their orders
+    from stage costs per layout (seconds at PP 32), a +vocab row places its H passes too."""
+    base, _ = split_name(name)
+    return (3.0 if base.startswith("v-") else 1.0) + (1.0 if kind.vocab_parallel or kind.pairs else 0.0)
 
 
 Comparison = LayoutComparison | LayersAlone | PairedRun | str
 
 
 def layout_comparisons(results: list[ScheduleSearch], model: GPTModel, cost_model: CostModel,
-                       flash_attention: bool) -> dict[str, Comparison]:
+                       flash_attention: bool, jobs: int = 1) -> dict[str, Comparison]:
     """Per row with a best layout (by row name): reference vs balanced layer layout, or why there is none;
     for a ``+vocab`` row its own run on the layers alone (nothing to balance), for a ``+pairs`` row its own run
     on the search's layout (the balance search does not cost pairs), each next to the schedule's best run
-    without the flag."""
+    without the flag. The balance searches run on ``jobs`` processes (row_pool.py)."""
     out: dict[str, Comparison] = {}
-    for found in results:
-        if found.best is None or found.vocab_parallel or found.pairs:
-            continue
-        try:
-            out[found.label] = compare_layouts(found.schedule, model, cost_model, found.best.layout, flash_attention)
-        except ValueError as error:  # ScheduleError included; recomputing schedules are not modelled
-            out[found.label] = " ".join(str(error).split())
+    plain = [found for found in results if found.best is not None and not found.vocab_parallel and not found.pairs]
+    pieces = [functools.partial(_compared, found.schedule, model, cost_model, found.best.layout, flash_attention)
+              for found in plain]
+    for found, comparison in zip(plain, run_all(pieces, jobs, [_weight(f.schedule, f) for f in plain])):
+        out[found.label] = comparison
     for found in results:
         if found.best is not None and found.vocab_parallel:
             out[found.label] = LayersAlone(found.best)
         elif found.best is not None and found.pairs:
             out[found.label] = PairedRun(found.best)
     return out
+
+
+def _compared(schedule: str, model: GPTModel, cost_model: CostModel, layout, flash_attention: bool) -> Comparison:
+    try:
+        return compare_layouts(schedule, model, cost_model, layout, flash_attention)
+    except ValueError as error:  # ScheduleError included; recomputing schedules are not modelled
+        return " ".join(str(error).split())
 
 
 def runs_of_the_flags(results: list[ScheduleSearch], comparisons: dict[str, Comparison]) -> None:
@@ -378,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{cost_model.efficiency:.1%} of peak for the GEMMs")
     reasons = {r.label: why_nothing(r, model, cost_model, args.gpus, args.global_batch, _grid(args))
                for r in results if r.best is None}
-    comparisons = {} if args.no_layouts else layout_comparisons(results, model, cost_model, args.flash_attention)
+    comparisons = {} if args.no_layouts else layout_comparisons(results, model, cost_model, args.flash_attention,
+                                                                args.jobs)
     runs_of_the_flags(results, comparisons)
     if comparisons:
         kinds = [kind for kind in (VOCAB, PAIRS) if any(r.label.endswith(" " + kind.suffix) for r in results)]
