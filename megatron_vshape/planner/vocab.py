@@ -42,7 +42,7 @@ from ..schedules.core.vocab_embedding import embedding_slots
 from ..vocab_shards import shard_sizes
 from .balance import StageExtras
 from .costs import P2P_LATENCY, CostModel, PassTimes
-from .memory import vocab_activation_bytes, vocab_embedding_bytes
+from .memory import vocab_activation_bytes, vocab_embedding_bytes, vocab_send_bytes
 from .model import GPTModel
 from .parallel_layout import ParallelLayout
 
@@ -79,7 +79,7 @@ def vocab_work(model: GPTModel, layout: ParallelLayout, cost_model: CostModel, t
     embedding, tokens = vocab_embedding_bytes(model, layout)
     # Only the last stage's device waits for the hidden gradient's reduce, in its H (VocabWork.holder).
     return VocabWork(f / costs.f, b / costs.b, w / costs.w, layout.pp * held / chunk, embedding / chunk, tokens / chunk,
-                     reduce / costs.f, messages)
+                     reduce / costs.f, messages, vocab_send_bytes(model, layout) / chunk)
 
 
 def vocab_call_seconds(model: GPTModel, layout: ParallelLayout, cost_model: CostModel, first_actions) -> float:

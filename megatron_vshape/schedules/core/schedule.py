@@ -107,7 +107,7 @@ class StageWork:
         return self.f == self.b == self.w == self.memory == self.a2a == 1.0
 
 
-VOCAB_WORK_FIELDS = ("f", "b", "w", "memory", "embedding", "tokens", "holder", "messages")
+VOCAB_WORK_FIELDS = ("f", "b", "w", "memory", "embedding", "tokens", "holder", "messages", "send")
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,9 @@ class VocabWork:
     that device needs: runtime/vocab_h.py), as a multiple of one V chunk's F; the other devices' G passes
     wait for the end of that H (the loss gradient it broadcasts). ``messages``: how many message times
     (``Costs.comm``) every H waits for in its collectives (the hidden state's broadcast and the statistics'
-    gather: 2 by default).
+    gather: 2 by default). ``send``: the hidden gradient's reduce's send buffer (fp32 t x h) that a device other
+    than the last stage's holds from its H until its next H or G(k) (:func:`.vocab_embedding.send_events`: one
+    at most), in the units of ``embedding``.
     """
 
     f: float = 0.0
@@ -139,6 +141,7 @@ class VocabWork:
     tokens: float = 0.0
     holder: float = 0.0
     messages: float = 2.0
+    send: float = 0.0
 
     def __post_init__(self) -> None:
         bad = _out_of_range(self, VOCAB_WORK_FIELDS, lambda value: value >= 0)

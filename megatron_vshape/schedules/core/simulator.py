@@ -17,7 +17,7 @@ from .gc_pause import without_gc
 from .ledger import pass_deltas
 from .schedule import Costs, MemoryModel, Schedule, ScheduleError, vocab_pass_times
 from .timing import KINDS, Interval, PassIds, ProgramTimes, Timeline, run_programs, stage_durations
-from .vocab_embedding import buffer_events
+from .vocab_embedding import buffer_events, send_events
 
 __all__ = ["DeadlockError", "Interval", "SimulationResult", "simulate"]
 
@@ -223,14 +223,17 @@ def _exposed_a2a(schedule: Schedule, costs: Costs, times: ProgramTimes,
 
 def _vocab_buffer_events(schedule: Schedule, costs: Costs, times: ProgramTimes) -> list[list[tuple[float, float]]]:
     """Per device, (time, change) of the embedding's buffers (:func:`.vocab_embedding.buffer_events`: the first
-    stage's embeddings and gradients, every device's tokens), in the memory timeline's units; empty lists
-    without vocabulary passes or without their ``embedding`` / ``tokens`` memory."""
+    stage's embeddings and gradients, every device's tokens) and of the hidden gradient's send buffers
+    (:func:`.vocab_embedding.send_events`), in the memory timeline's units; empty lists without vocabulary
+    passes or without their ``embedding`` / ``tokens`` / ``send`` memory."""
     vocab = costs.vocab
-    if not schedule.vocab_parallel or vocab is None or not (vocab.embedding or vocab.tokens):
+    if not schedule.vocab_parallel or vocab is None or not (vocab.embedding or vocab.tokens or vocab.send):
         return [[] for _ in times.programs]
     first = schedule.placement.device_of(0)
+    last = schedule.placement.device_of(schedule.num_stages - 1)
+    sends = send_events(schedule.programs, last) if vocab.send else [()] * len(times.programs)
     out = []
-    for ids, events in zip(times.programs, buffer_events(schedule.programs, first, training=True)):
+    for ids, events, changes in zip(times.programs, buffer_events(schedule.programs, first, training=True), sends):
         timed = []
         for event in events:
             if event.index < len(ids):
@@ -240,6 +243,8 @@ def _vocab_buffer_events(schedule: Schedule, costs: Costs, times: ProgramTimes) 
                 at = max((times.end[x] for x in ids), default=0.0)
             # In units of one microbatch over L/d layers, like the passes' deltas (one V chunk F is half of one).
             timed.append((at, (event.embeddings * vocab.embedding + event.tokens * vocab.tokens) / 2.0))
+        # A send buffer is made at its H's start and let go at the start of the next H or of G(k).
+        timed += [(times.start[ids[index]], change * vocab.send / 2.0) for index, change in changes]
         out.append(timed)
     return out
 
