@@ -133,9 +133,14 @@ class ScheduleSpec:
             # vocabulary costs (its +vocab rows' layouts), so it is built once (``_layers_order``).
             return with_vocab_passes(_layers_order(self.name, request), costs, self.vocab_g_in_gaps)
         schedule = self.layers_order(request)
-        if costs.a2a > 0:  # issue 43: F&B pairs hide the all-to-all (pairing.py)
+        if costs.a2a > 0:  # issue 43: F&B pairs hide the all-to-all (pairing.py), in the faster of two orders
             limit = request.memory_limit if self.takes_memory_limit else None
-            schedule = pairing.paired(schedule, costs, request.memory, limit or self.memory_factor)
+            factor = limit or self.memory_factor
+            inside = dataclasses.replace(request, costs=pairing.a2a_inside(
+                dataclasses.replace(request.costs, a2a=costs.a2a)))
+            schedule = pairing.faster(pairing.paired(schedule, costs, request.memory, factor),
+                                      pairing.paired(self.layers_order(inside), costs, request.memory, factor),
+                                      costs, request.memory)
         return schedule
 
     def layers_order(self, request: Request) -> Schedule:
