@@ -30,7 +30,7 @@ shards' fp32 softmax, hidden-state copies and per-token tensors, as the runtime 
 :func:`.memory.vocab_activation_bytes`), in units of one V chunk's F activation; the planner's byte count of the
 same (``ActivationModel.vocab_held``) is what its memory estimate uses, with the reduce's send buffer of every
 device but the last stage's (one at a time: ``ActivationModel.vocab_send``, from each H to the next H or its G),
-which the simulator's ledger (per pass, per microbatch) leaves out.
+which the simulator counts in its memory timeline (``VocabWork.send``).
 """
 
 from __future__ import annotations

@@ -311,8 +311,8 @@ class Timeline(Mapping):
 
     def items(self) -> list[tuple[Action, Interval]]:
         times, out = self._times, []
+        start, end = times.start, times.end
         for device, (program, id_program) in enumerate(zip(self._programs, times.programs)):
-            start, end = times.start, times.end
             out.extend([(action, _new_interval((device, start[x], end[x]))) for action, x in zip(program, id_program)])
         return out
 

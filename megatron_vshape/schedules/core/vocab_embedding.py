@@ -154,15 +154,14 @@ def send_events(programs: Sequence[Sequence[Action]], last_device: int) -> tuple
     for device, program in enumerate(programs):
         changes: list[tuple[int, int]] = []
         if device != last_device:
-            outstanding: set[int] = set()
+            held: int | None = None  # the microbatch whose send buffer the device holds (one at most)
             for index, action in enumerate(program):
                 if action.kind is VocabKind.H:
-                    change = 1 - len(outstanding)
-                    outstanding = {action.microbatch}
-                    if change:
-                        changes.append((index, change))
-                elif action.kind is VocabKind.G and action.microbatch in outstanding:
-                    outstanding.discard(action.microbatch)
+                    if held is None:
+                        changes.append((index, 1))  # a held one is let go as this one is made: no change
+                    held = action.microbatch
+                elif action.kind is VocabKind.G and action.microbatch == held:
+                    held = None
                     changes.append((index, -1))
         out.append(tuple(changes))
     return tuple(out)

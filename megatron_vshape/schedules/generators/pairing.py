@@ -36,6 +36,7 @@ from ..core.ready import UNSET, ready_rule
 from ..core.schedule import Costs, MemoryModel, Schedule, one_f_one_b_peak
 from ..core.simulator import DeadlockError, pass_durations, simulate
 from ..core.timing import PassIds
+from .simulated import simulated
 
 # How far ahead in a device's order a partner is looked for: a V device's steady state cycles through
 # F and B of two chunks with their W between (6 passes per microbatch), so two cycles cover every partner
@@ -75,8 +76,9 @@ def a2a_inside(costs: Costs) -> Costs:
 
 
 def faster(first: Schedule, second: Schedule, costs: Costs, memory: MemoryModel) -> Schedule:
-    """The one of two orders that ends sooner under ``costs`` (``first`` on a tie)."""
-    return second if simulate(second, costs, memory).makespan < simulate(first, costs, memory).makespan - EPS \
+    """The one of two orders that ends sooner under ``costs`` (``first`` on a tie). Each is what
+    :func:`with_pairs` returned, so its simulation under these costs is kept already (``simulated``)."""
+    return second if simulated(second, costs, memory).makespan < simulated(first, costs, memory).makespan - EPS \
         else first
 
 
@@ -88,10 +90,10 @@ def with_pairs(schedule: Schedule, costs: Costs, memory: MemoryModel, caps: list
     candidate = dataclasses.replace(schedule, programs=programs, pairs=frozenset(pairs),
                                     meta={**schedule.meta, "pairs": "a2a overlap"})
     try:
-        mine = simulate(candidate, costs, memory)
+        mine = simulated(candidate, costs, memory)
     except DeadlockError:  # cannot happen (pairs form from ready passes); the family's order is the fallback
         return schedule
-    theirs = simulate(schedule, costs, memory)
+    theirs = simulated(schedule, costs, memory)
     if mine.makespan >= theirs.makespan or any(p > cap for p, cap in zip(mine.peak_memory, caps)):
         return schedule
     return candidate
